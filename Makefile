@@ -9,10 +9,12 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 GEN := server/qosgate/v1/.built
 MODELS := .cache/models/.prepared
+NODE_DEPS := clients/node/node_modules/.installed
+PERF_ANALYZER := .cache/tools/perf_analyzer
 
-.PHONY: setup venv protos models run test test-unit bench lint clean
+.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench lint clean
 
-setup: venv protos models
+setup: venv protos models tools
 
 venv: $(STAMP)
 
@@ -37,10 +39,27 @@ models: $(MODELS)
 $(MODELS): $(STAMP)
 	$(VENV)/bin/qosgate prepare-models
 
+# perf_analyzer (Triton's load generator), extracted from the tritonclient 2.51.0 wheel.
+tools: $(PERF_ANALYZER)
+
+$(PERF_ANALYZER): $(STAMP) scripts/install_perf_analyzer.py
+	$(PY) scripts/install_perf_analyzer.py
+
+# The Node client's packages and buf (the protos linter) come from npm;
+# node_modules is git-ignored.
+node-deps: $(NODE_DEPS)
+
+$(NODE_DEPS): clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm install --no-audit --no-fund
+	touch $@
+
+lint-protos: $(NODE_DEPS)
+	cd clients/node && npx --no-install buf lint ../../protos
+
 run: setup
 	$(VENV)/bin/qosgate up
 
-test: setup
+test: setup node-deps lint-protos
 	$(PY) -m pytest -q
 
 test-unit: venv protos
