@@ -1,0 +1,345 @@
+"""The gateway's declarative configuration: one YAML file, validated whole at load.
+
+Every model is frozen, so a loaded config is an immutable snapshot that a reload can swap
+atomically. Errors name the file, the path of the offending key (`tenants[1].limits.burst`)
+and the reason, one line each, in the manner of envoyproxy/ratelimit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message has one `FILE: key.path: reason` per line."""
+
+
+class _FieldProblem(ValueError):
+    """A cross-field check failure that knows the key path (relative to the model checked).
+
+    pydantic reports a model validator's error at the model itself; carrying the path in
+    the exception lets the formatter point at the exact key instead.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(reason)
+        self.path = path
+        self.reason = reason
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class UpstreamConfig(_Frozen):
+    """A Triton endpoint the gateway forwards to."""
+
+    name: str = Field(min_length=1)
+    """Label used in logs and metrics."""
+    url: str = Field(min_length=1)
+    """gRPC address `host:port` of Triton's GRPCInferenceService."""
+
+
+class ApiKeyConfig(_Frozen):
+    """One API key of a tenant: its SHA-256 (preferred) or, for demos, the key itself."""
+
+    sha256: str | None = None
+    """Lower-case hex SHA-256 of the key (`printf %s KEY | sha256sum`)."""
+    key: SecretStr | None = None
+    """The key in plain text; for demo configs only."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ApiKeyConfig:
+        if (self.sha256 is None) == (self.key is None):
+            raise ValueError("set exactly one of sha256, key")
+        if self.sha256 is not None and not _SHA256_HEX.match(self.sha256):
+            raise _FieldProblem("sha256", "must be 64 lower-case hex digits")
+        if self.key is not None and not self.key.get_secret_value():
+            raise _FieldProblem("key", "must not be empty")
+        return self
+
+    def digest(self) -> bytes:
+        """The key's SHA-256; the only form in which the gateway keeps or compares keys."""
+        if self.sha256 is not None:
+            return bytes.fromhex(self.sha256)
+        assert self.key is not None
+        return hashlib.sha256(self.key.get_secret_value().encode()).digest()
+
+
+class LimitsConfig(_Frozen):
+    """A tenant's quotas; a limit left out is not enforced."""
+
+    requests_per_second: float | None = Field(default=None, gt=0)
+    """Sustained request rate (token bucket refill rate)."""
+    burst: int | None = Field(default=None, ge=1)
+    """Bucket capacity: requests allowed at once after idling; default ceil(requests_per_second)."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """Requests of this tenant admitted and not yet finished, queued or in flight."""
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    """LLM tokens (prompt + generated) per minute, as a bucket of that capacity."""
+    daily_token_budget: int | None = Field(default=None, ge=1)
+    """LLM tokens per 24 h window (the window starts at the tenant's first request)."""
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> LimitsConfig:
+        if self.burst is not None and self.requests_per_second is None:
+            raise _FieldProblem("burst", "burst requires requests_per_second")
+        return self
+
+    def effective_burst(self) -> int | None:
+        if self.requests_per_second is None:
+            return None
+        return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_second))
+
+
+class TenantConfig(_Frozen):
+    """A tenant: who it is (its keys), what it may do, and its share and limits."""
+
+    name: str = Field(min_length=1)
+    """Unique name, used in logs, metrics and usage records."""
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    """Keys that identify this tenant (`authorization: Bearer KEY` or `x-api-key: KEY`)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Fair-share weight against other tenants inside the same class."""
+    default_class: str | None = None
+    """Class of requests that send no `x-priority`; default: the gateway's `default_class`."""
+    max_class: str | None = None
+    """Highest class this tenant may ask for; default: its default class."""
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    """fnmatch patterns of the models it may use and see."""
+    admin: bool = False
+    """May call admin-only RPCs (model load/unload, shared memory, trace and log settings)."""
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    """Quotas; none by default."""
+
+
+class SchedulerConfig(_Frozen):
+    """How queued requests are ordered between classes and tenants, and when they are shed."""
+
+    floor_share: float = Field(default=0.05, ge=0, lt=1)
+    """Minimum share of dispatches each class below the highest gets while it has work."""
+    floor_share_by_class: dict[str, float] = Field(default_factory=dict)
+    """Per-class overrides of `floor_share`."""
+    max_queue_length: int = Field(default=1000, ge=1)
+    """Requests that may wait per model and class; more are refused UNAVAILABLE."""
+    max_queue_length_by_class: dict[str, int] = Field(default_factory=dict)
+    """Per-class overrides of `max_queue_length`."""
+    sheddable_classes: list[str] | None = None
+    """Classes whose queued requests may be shed under overload, lowest first;
+    default: every class but the highest. The highest class is never sheddable."""
+    shed_retry_after_s: float = Field(default=1.0, gt=0)
+    """Retry hint sent with UNAVAILABLE when a request is shed or its queue is full."""
+
+
+class ModelPolicy(_Frozen):
+    """How the gateway feeds one Triton model."""
+
+    dispatch_window: int = Field(default=8, ge=1)
+    """Requests in flight at Triton for this model; the rest wait in the gateway's queues."""
+    max_queued: int = Field(default=2000, ge=1)
+    """Requests queued for this model (all classes) before overload shedding starts."""
+
+
+class GatewayConfig(_Frozen):
+    """The whole gateway configuration (see README, section `config`)."""
+
+    listen: str = "127.0.0.1:50051"
+    """gRPC listen address of the gateway."""
+    metrics_listen: str = "127.0.0.1:9464"
+    """Prometheus metrics HTTP address."""
+    upstreams: list[UpstreamConfig] = Field(
+        default_factory=lambda: [UpstreamConfig(name="local", url="127.0.0.1:8001")]
+    )
+    """Triton endpoints; requests go to a healthy one."""
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_CLASSES), min_length=1)
+    """Priority classes, highest first; Triton priority level = position (1 = highest)."""
+    default_class: str | None = None
+    """Class of tenants that set no `default_class`; default `standard` if it is a class,
+    else the lowest class."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """Queueing between classes and tenants."""
+    models: dict[str, ModelPolicy] = Field(default_factory=dict)
+    """Per-model policies, by Triton model name."""
+    default_model_policy: ModelPolicy = Field(default_factory=ModelPolicy)
+    """Policy of models not listed in `models`."""
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    """Who may call the gateway."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> GatewayConfig:
+        for problem in self._problems():
+            raise problem
+        return self
+
+    def _problems(self) -> Iterator[_FieldProblem]:
+        levels: dict[str, int] = {}
+        for i, name in enumerate(self.classes):
+            if not name:
+                yield _FieldProblem(f"classes[{i}]", "class name must not be empty")
+            if name in levels:
+                yield _FieldProblem(f"classes[{i}]", f"duplicate class {name!r}")
+            levels.setdefault(name, i)
+
+        def unknown(path: str, klass: str) -> _FieldProblem:
+            return _FieldProblem(path, f"unknown class {klass!r} (classes: {', '.join(self.classes)})")
+
+        if self.default_class is not None and self.default_class not in levels:
+            yield unknown("default_class", self.default_class)
+        seen_upstreams: set[str] = set()
+        for i, upstream in enumerate(self.upstreams):
+            if upstream.name in seen_upstreams:
+                yield _FieldProblem(f"upstreams[{i}].name", f"duplicate upstream {upstream.name!r}")
+            seen_upstreams.add(upstream.name)
+
+        sched = self.scheduler
+        for klass, share in sched.floor_share_by_class.items():
+            if klass not in levels:
+                yield unknown(f"scheduler.floor_share_by_class.{klass}", klass)
+            elif not 0 <= share < 1:
+                yield _FieldProblem(f"scheduler.floor_share_by_class.{klass}", "must be in [0, 1)")
+        if sum(self.floor_share(c) for c in self.classes) >= 1:
+            yield _FieldProblem("scheduler", "floor shares of the lower classes must sum to less than 1")
+        for klass, length in sched.max_queue_length_by_class.items():
+            if klass not in levels:
+                yield unknown(f"scheduler.max_queue_length_by_class.{klass}", klass)
+            elif length < 1:
+                yield _FieldProblem(f"scheduler.max_queue_length_by_class.{klass}", "must be >= 1")
+        for i, klass in enumerate(sched.sheddable_classes or ()):
+            if klass not in levels:
+                yield unknown(f"scheduler.sheddable_classes[{i}]", klass)
+            elif levels[klass] == 0:
+                yield _FieldProblem(
+                    f"scheduler.sheddable_classes[{i}]",
+                    f"the highest class {klass!r} is never sheddable",
+                )
+
+        names: dict[str, int] = {}
+        digests: dict[bytes, str] = {}
+        for i, tenant in enumerate(self.tenants):
+            where = f"tenants[{i}]"
+            if tenant.name in names:
+                yield _FieldProblem(f"{where}.name", f"duplicate tenant {tenant.name!r}")
+            names.setdefault(tenant.name, i)
+            for j, key in enumerate(tenant.api_keys):
+                digest = key.digest()
+                if digest in digests:
+                    yield _FieldProblem(
+                        f"{where}.api_keys[{j}]",
+                        f"duplicate API key (also used by tenant {digests[digest]!r})",
+                    )
+                digests[digest] = tenant.name
+            for field in ("default_class", "max_class"):
+                klass = getattr(tenant, field)
+                if klass is not None and klass not in levels:
+                    yield unknown(f"{where}.{field}", klass)
+            default = tenant.default_class or self.gateway_default_class()
+            highest = tenant.max_class or default
+            if default in levels and highest in levels and levels[default] < levels[highest]:
+                yield _FieldProblem(
+                    f"{where}.default_class",
+                    f"default class {default!r} is above max_class {highest!r}",
+                )
+            for j, pattern in enumerate(tenant.models):
+                if not pattern:
+                    yield _FieldProblem(f"{where}.models[{j}]", "model pattern must not be empty")
+
+    def gateway_default_class(self) -> str:
+        if self.default_class is not None:
+            return self.default_class
+        return "standard" if "standard" in self.classes else self.classes[-1]
+
+    def class_level(self, klass: str) -> int:
+        """Triton priority level of a class: 1 for the highest. Raises KeyError if unknown."""
+        try:
+            return self.classes.index(klass) + 1
+        except ValueError:
+            raise KeyError(klass) from None
+
+    def floor_share(self, klass: str) -> float:
+        """Minimum dispatch share of a class while it has work; 0 for the highest class."""
+        if klass == self.classes[0]:
+            return 0.0
+        return self.scheduler.floor_share_by_class.get(klass, self.scheduler.floor_share)
+
+    def max_queue_length(self, klass: str) -> int:
+        return self.scheduler.max_queue_length_by_class.get(klass, self.scheduler.max_queue_length)
+
+    def sheddable_classes(self) -> list[str]:
+        """Sheddable classes, lowest first (the order in which they are shed)."""
+        chosen = self.scheduler.sheddable_classes
+        if chosen is None:
+            chosen = self.classes[1:]
+        return sorted(set(chosen), key=self.classes.index, reverse=True)
+
+    def model_policy(self, model: str) -> ModelPolicy:
+        return self.models.get(model, self.default_model_policy)
+
+    def summary(self) -> str:
+        admins = sum(t.admin for t in self.tenants)
+        return (
+            f"{len(self.tenants)} tenants ({admins} admin), {len(self.classes)} classes, "
+            f"{len(self.models)} model policies, {len(self.upstreams)} upstreams, "
+            f"listen {self.listen}"
+        )
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and validate a YAML config; raises ConfigError naming file, key path and reason."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{name}: {where}: invalid YAML: {problem}") from None
+    return parse_config(raw, source=name)
+
+
+def parse_config(raw: Any, *, source: str = "<config>") -> GatewayConfig:
+    """Validate an already-parsed YAML document; errors are reported as from `source`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: (root): expected a mapping, got {type(raw).__name__}")
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{source}: {_key_path(err)}: {_reason(err)}" for err in e.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _key_path(err: Any) -> str:
+    parts: list[str] = []
+    for item in err["loc"]:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(f".{item}" if parts else str(item))
+    problem = err.get("ctx", {}).get("error")
+    if isinstance(problem, _FieldProblem):
+        parts.append(f".{problem.path}" if parts else problem.path)
+    return "".join(parts) or "(root)"
+
+
+def _reason(err: Any) -> str:
+    problem = err.get("ctx", {}).get("error")
+    if isinstance(problem, _FieldProblem):
+        return problem.reason
+    message = str(err["msg"])
+    return message.removeprefix("Value error, ")
