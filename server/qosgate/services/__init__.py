@@ -1,0 +1,1 @@
+"""gRPC servicers: thin edges that parse, call the domain and reply."""

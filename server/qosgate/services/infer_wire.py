@@ -1,0 +1,244 @@
+"""Just enough of the protobuf wire format to route KServe inference messages as bytes.
+
+The gateway never decodes tensors: it reads the few top-level fields it routes on
+(model name, request id, a handful of parameters) straight from the serialized
+ModelInferRequest / ModelStreamInferResponse, and changes a message by APPENDING an
+encoded fragment. Protobuf parsers merge concatenated messages: a later scalar replaces
+an earlier one, a later map entry replaces the entry with the same key, and a later
+embedded message merges into the earlier one. So `original + fragment` is the original
+request with our `priority`/`timeout` parameters (or id) overriding whatever the caller
+set, without copying or re-encoding the tensors (tests check this against the real
+protobuf runtime).
+
+Field numbers are from KServe v2's grpc_service.proto (tritonclient.grpc.service_pb2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ModelInferRequest / ModelInferResponse
+_MODEL_NAME = 1
+_ID = 3
+_PARAMETERS = 4
+_RESPONSE_OUTPUTS = 5
+# ModelStreamInferResponse
+_STREAM_ERROR = 1
+_STREAM_INFER_RESPONSE = 2
+# InferParameter (a oneof)
+_BOOL_PARAM = 1
+_INT64_PARAM = 2
+_UINT64_PARAM = 5
+# map<string, InferParameter> entry
+_KEY = 1
+_VALUE = 2
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+FINAL_RESPONSE_PARAM = "triton_final_response"
+EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message."""
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise WireError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("varint too long")
+
+
+def _skip(buf: bytes, pos: int, wire_type: int) -> int:
+    if wire_type == _VARINT:
+        return _read_varint(buf, pos)[1]
+    if wire_type == _LEN:
+        length, pos = _read_varint(buf, pos)
+        end = pos + length
+        if end > len(buf):
+            raise WireError("truncated length-delimited field")
+        return end
+    if wire_type == _I64:
+        return pos + 8
+    if wire_type == _I32:
+        return pos + 4
+    raise WireError(f"unsupported wire type {wire_type}")
+
+
+def _fields(buf: bytes):
+    """Yield (field number, wire type, start, end) of each top-level field.
+
+    For length-delimited fields start/end bound the payload; for others, the raw value
+    bytes (a varint is decoded by the caller when it cares).
+    """
+    pos = 0
+    size = len(buf)
+    while pos < size:
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _LEN:
+            length, pos = _read_varint(buf, pos)
+            end = pos + length
+            if end > size:
+                raise WireError("truncated length-delimited field")
+            yield number, wire_type, pos, end
+            pos = end
+        else:
+            end = _skip(buf, pos, wire_type)
+            yield number, wire_type, pos, end
+            pos = end
+    if pos != size:
+        raise WireError("truncated message")
+
+
+def _map_entry_key(buf: bytes) -> str:
+    for number, wire_type, start, end in _fields(buf):
+        if number == _KEY and wire_type == _LEN:
+            return buf[start:end].decode("utf-8", "replace")
+    return ""
+
+
+def _map_entry_bool(buf: bytes) -> bool | None:
+    """The bool_param of a map<string, InferParameter> entry's value, if it is one."""
+    for number, wire_type, start, end in _fields(buf):
+        if number == _VALUE and wire_type == _LEN:
+            value = buf[start:end]
+            for vnumber, vtype, vstart, _ in _fields(value):
+                if vnumber == _BOOL_PARAM and vtype == _VARINT:
+                    return _read_varint(value, vstart)[0] != 0
+    return None
+
+
+@dataclass(slots=True)
+class InferRequestHead:
+    """The routing fields of a ModelInferRequest (last occurrence wins, as in protobuf)."""
+
+    model_name: str = ""
+    id: str = ""
+    wants_empty_final: bool = False
+
+
+def peek_request(buf: bytes) -> InferRequestHead:
+    """Read model_name, id and the empty-final-response opt-in; tensors are skipped."""
+    head = InferRequestHead()
+    for number, wire_type, start, end in _fields(buf):
+        if wire_type != _LEN:
+            continue
+        if number == _MODEL_NAME:
+            head.model_name = buf[start:end].decode("utf-8", "replace")
+        elif number == _ID:
+            head.id = buf[start:end].decode("utf-8", "replace")
+        elif number == _PARAMETERS:
+            entry = buf[start:end]
+            if _map_entry_key(entry) == EMPTY_FINAL_PARAM:
+                head.wants_empty_final = bool(_map_entry_bool(entry))
+    return head
+
+
+@dataclass(slots=True)
+class StreamResponseHead:
+    """The routing fields of a ModelStreamInferResponse."""
+
+    id: str = ""
+    is_error: bool = False
+    is_final: bool = False
+    has_outputs: bool = False
+
+
+def peek_stream_response(buf: bytes) -> StreamResponseHead:
+    """Which request a stream response belongs to and whether it is that request's last.
+
+    Triton marks every stream response with `triton_final_response`; an error response
+    (error_message set) is always the last one of its request.
+    """
+    head = StreamResponseHead()
+    for number, wire_type, start, end in _fields(buf):
+        if wire_type != _LEN:
+            continue
+        if number == _STREAM_ERROR and end > start:
+            head.is_error = True
+        elif number == _STREAM_INFER_RESPONSE:
+            inner = buf[start:end]
+            for inumber, itype, istart, iend in _fields(inner):
+                if itype != _LEN:
+                    continue
+                if inumber == _ID:
+                    head.id = inner[istart:iend].decode("utf-8", "replace")
+                elif inumber == _RESPONSE_OUTPUTS:
+                    head.has_outputs = True
+                elif inumber == _PARAMETERS:
+                    entry = inner[istart:iend]
+                    if _map_entry_key(entry) == FINAL_RESPONSE_PARAM:
+                        head.is_final = bool(_map_entry_bool(entry))
+    if head.is_error:
+        head.is_final = True
+    return head
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        value += 1 << 64  # int64 negatives are ten-byte two's complement varints
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _varint((number << 3) | _LEN) + _varint(len(payload)) + payload
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    return _varint((number << 3) | _VARINT) + _varint(value)
+
+
+def _parameter(key: str, param_number: int, value: int) -> bytes:
+    entry = _len_field(_KEY, key.encode()) + _len_field(_VALUE, _varint_field(param_number, value))
+    return _len_field(_PARAMETERS, entry)
+
+
+# Precomputed per level: the scheduler hands out a handful of levels, so the hot path
+# only concatenates bytes.
+_PRIORITY_FRAGMENTS = {level: _parameter("priority", _UINT64_PARAM, level) for level in range(16)}
+_EMPTY_FINAL_FRAGMENT = _len_field(
+    _PARAMETERS,
+    _len_field(_KEY, EMPTY_FINAL_PARAM.encode()) + _len_field(_VALUE, _varint_field(_BOOL_PARAM, 1)),
+)
+
+
+def priority_fragment(level: int) -> bytes:
+    """Sets Triton's request `priority` (uint64; 1 is the highest level, 0 the model default)."""
+    fragment = _PRIORITY_FRAGMENTS.get(level)
+    return fragment if fragment is not None else _parameter("priority", _UINT64_PARAM, level)
+
+
+def timeout_fragment(timeout_us: int) -> bytes:
+    """Sets Triton's request `timeout` (int64 microseconds; Triton's queue policy applies it)."""
+    return _parameter("timeout", _INT64_PARAM, max(1, timeout_us))
+
+
+def empty_final_fragment() -> bytes:
+    """Asks Triton for an empty last response when a decoupled model ends without one."""
+    return _EMPTY_FINAL_FRAGMENT
+
+
+def id_fragment(request_id: str) -> bytes:
+    """Replaces a ModelInferRequest's id (top-level field 3)."""
+    return _len_field(_ID, request_id.encode())
+
+
+def stream_response_id_fragment(request_id: str) -> bytes:
+    """Replaces the id inside a ModelStreamInferResponse's infer_response (merged)."""
+    return _len_field(_STREAM_INFER_RESPONSE, _len_field(_ID, request_id.encode()))

@@ -1,0 +1,122 @@
+"""The one table that turns domain errors into gRPC statuses.
+
+Every servicer reports failures through `to_status` (or `stream_error_message` inside a
+KServe stream), so a caller sees the same code and the same details for the same cause
+whichever RPC it used. RESOURCE_EXHAUSTED carries `google.rpc.RetryInfo` and
+`google.rpc.QuotaFailure`, UNAVAILABLE carries `RetryInfo` when the domain knows when to
+retry; both travel in the `grpc-status-details-bin` trailer that grpcio-status decodes.
+INTERNAL never shows the cause to the caller: it is logged with an incident number that
+the caller does see, so an operator can find it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from qosgate import errors
+
+log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "internal error"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRow:
+    """How one domain error class appears on the wire, and why it counts as a rejection."""
+
+    code: grpc.StatusCode
+    reason: str  # the `reason` label of the rejection metric
+
+
+# Most specific first is not needed: the domain classes do not subclass each other.
+TABLE: dict[type[errors.GatewayError], StatusRow] = {
+    errors.Unauthenticated: StatusRow(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
+    errors.PermissionDenied: StatusRow(grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
+    errors.InvalidArgument: StatusRow(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    errors.QuotaExceeded: StatusRow(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota"),
+    errors.Unavailable: StatusRow(grpc.StatusCode.UNAVAILABLE, "unavailable"),
+    errors.DeadlineExceeded: StatusRow(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
+    errors.Cancelled: StatusRow(grpc.StatusCode.CANCELLED, "cancelled"),
+    errors.NotFound: StatusRow(grpc.StatusCode.NOT_FOUND, "not_found"),
+    errors.Internal: StatusRow(grpc.StatusCode.INTERNAL, "internal"),
+}
+
+_INTERNAL_ROW = TABLE[errors.Internal]
+_incidents = itertools.count(1)
+
+
+def row_of(error: BaseException) -> StatusRow:
+    """The table row for `error`; anything that is not a domain error is INTERNAL."""
+    for klass in type(error).__mro__:
+        row = TABLE.get(klass)  # type: ignore[arg-type]
+        if row is not None:
+            return row
+    return _INTERNAL_ROW
+
+
+def _retry_delay(seconds: float) -> duration_pb2.Duration:
+    # Round up: retrying a little late succeeds, retrying early is refused again.
+    micros = max(0, math.ceil(seconds * 1_000_000))
+    return duration_pb2.Duration(seconds=micros // 1_000_000, nanos=(micros % 1_000_000) * 1000)
+
+
+def _packed(message: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed
+
+
+def _public_message(error: BaseException, row: StatusRow) -> str:
+    if row is _INTERNAL_ROW:
+        incident = next(_incidents)
+        # The cause goes to the log only: it may name files, hosts or upstream internals.
+        log.error("internal error (incident %d): %r", incident, error, exc_info=error)
+        return f"{INTERNAL_MESSAGE} (incident {incident})"
+    return error.message  # type: ignore[attr-defined]
+
+
+def to_rich_status(error: BaseException) -> status_pb2.Status:
+    """The google.rpc.Status for `error`, details included."""
+    row = row_of(error)
+    status = status_pb2.Status(code=row.code.value[0], message=_public_message(error, row))
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is not None:
+        status.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=_retry_delay(retry_after))))
+    if isinstance(error, errors.QuotaExceeded):
+        failure = error_details_pb2.QuotaFailure(
+            violations=[
+                error_details_pb2.QuotaFailure.Violation(subject=v.subject, description=v.description)
+                for v in error.violations
+            ]
+        )
+        status.details.append(_packed(failure))
+    return status
+
+
+def to_status(error: BaseException) -> grpc.Status:
+    """A grpc.Status (code, details text, trailing metadata with the rich status)."""
+    return rpc_status.to_status(to_rich_status(error))
+
+
+def stream_error_message(error: BaseException) -> str:
+    """The `error_message` of an in-band ModelStreamInferResponse.
+
+    KServe streams report a failed request inside the stream and keep it open, so the code
+    cannot travel as a status: it leads the text instead ("RESOURCE_EXHAUSTED: ...").
+    """
+    rich = to_rich_status(error)
+    return f"{code_pb2.Code.Name(rich.code)}: {rich.message}"
+
+
+async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """End the call with `error`'s status; never returns (raises grpc's abort exception)."""
+    status = to_status(error)
+    await context.abort(status.code, status.details, status.trailing_metadata)

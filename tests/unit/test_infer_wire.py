@@ -1,0 +1,113 @@
+"""The byte-level reader/appender against the real protobuf runtime (merge semantics)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+
+from qosgate.services import infer_wire
+
+
+def _request(**params: object) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="minilm", model_version="1", id="req-7")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    del tensor
+    request.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
+    for key, value in params.items():
+        if isinstance(value, bool):
+            request.parameters[key].bool_param = value
+        elif isinstance(value, int):
+            request.parameters[key].int64_param = value
+        else:
+            request.parameters[key].string_param = str(value)
+    return request
+
+
+def test_peek_reads_routing_fields_and_skips_tensors() -> None:
+    raw = _request(triton_enable_empty_final_response=True, other="x").SerializeToString()
+    head = infer_wire.peek_request(raw)
+    assert (head.model_name, head.id, head.wants_empty_final) == ("minilm", "req-7", True)
+
+
+def test_peek_last_occurrence_wins_like_protobuf() -> None:
+    raw = _request().SerializeToString() + service_pb2.ModelInferRequest(
+        model_name="identity"
+    ).SerializeToString()
+    assert infer_wire.peek_request(raw).model_name == "identity"
+    assert service_pb2.ModelInferRequest.FromString(raw).model_name == "identity"
+
+
+def test_appended_priority_and_timeout_override_the_callers() -> None:
+    original = _request(priority=9, timeout=5, keep="me")
+    raw = (
+        original.SerializeToString()
+        + infer_wire.priority_fragment(2)
+        + infer_wire.timeout_fragment(1_500_000)
+    )
+    merged = service_pb2.ModelInferRequest.FromString(raw)
+    # The caller's int64 priority is replaced by ours (uint64, as tritonclient sends it).
+    assert merged.parameters["priority"].WhichOneof("parameter_choice") == "uint64_param"
+    assert merged.parameters["priority"].uint64_param == 2
+    assert merged.parameters["timeout"].int64_param == 1_500_000
+    # Everything else is untouched, tensors included.
+    assert merged.parameters["keep"].string_param == "me"
+    expected = service_pb2.ModelInferRequest()
+    expected.CopyFrom(original)
+    expected.parameters["priority"].uint64_param = 2
+    expected.parameters["timeout"].int64_param = 1_500_000
+    assert merged == expected
+
+
+@pytest.mark.parametrize("level", [0, 1, 4, 15, 300])
+def test_priority_fragment_encodes_any_level(level: int) -> None:
+    merged = service_pb2.ModelInferRequest.FromString(infer_wire.priority_fragment(level))
+    assert merged.parameters["priority"].uint64_param == level
+
+
+def test_id_and_empty_final_fragments() -> None:
+    raw = _request().SerializeToString() + infer_wire.id_fragment("q1") + infer_wire.empty_final_fragment()
+    merged = service_pb2.ModelInferRequest.FromString(raw)
+    assert merged.id == "q1"
+    assert merged.parameters["triton_enable_empty_final_response"].bool_param is True
+    assert infer_wire.peek_request(raw).id == "q1"
+
+
+def _stream_response(*, final: bool, outputs: bool = True, error: str = "") -> bytes:
+    response = service_pb2.ModelStreamInferResponse(error_message=error)
+    response.infer_response.id = "q5"
+    response.infer_response.model_name = "smollm2"
+    if outputs:
+        response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        response.infer_response.raw_output_contents.append(b"\x02\x00\x00\x00hi")
+    response.infer_response.parameters["triton_final_response"].bool_param = final
+    return response.SerializeToString()
+
+
+def test_peek_stream_response_final_flag_and_outputs() -> None:
+    head = infer_wire.peek_stream_response(_stream_response(final=False))
+    assert (head.id, head.is_final, head.has_outputs, head.is_error) == ("q5", False, True, False)
+    head = infer_wire.peek_stream_response(_stream_response(final=True, outputs=False))
+    assert (head.is_final, head.has_outputs) == (True, False)
+
+
+def test_an_error_response_is_final() -> None:
+    raw = service_pb2.ModelStreamInferResponse(
+        error_message="boom", infer_response=service_pb2.ModelInferResponse(id="q9")
+    ).SerializeToString()
+    head = infer_wire.peek_stream_response(raw)
+    assert (head.id, head.is_error, head.is_final) == ("q9", True, True)
+
+
+def test_stream_response_id_restored_by_appending() -> None:
+    raw = _stream_response(final=True) + infer_wire.stream_response_id_fragment("client-1")
+    merged = service_pb2.ModelStreamInferResponse.FromString(raw)
+    assert merged.infer_response.id == "client-1"
+    assert merged.infer_response.model_name == "smollm2"
+    assert merged.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
+
+
+def test_truncated_bytes_are_rejected() -> None:
+    raw = _request().SerializeToString()
+    with pytest.raises(infer_wire.WireError):
+        infer_wire.peek_request(raw[:-3])

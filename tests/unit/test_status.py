@@ -1,0 +1,110 @@
+"""Each row of the error table, through a real gRPC channel, decoded as a client would."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from qosgate import errors
+from qosgate.services import status
+
+_METHOD = "/test.Errors/Raise"
+
+ROWS = [
+    (errors.Unauthenticated("no API key"), grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied("model 'x' not allowed"), grpc.StatusCode.PERMISSION_DENIED),
+    (errors.InvalidArgument("unknown class 'gold'"), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        errors.QuotaExceeded(
+            "rate limit", 1.25, (errors.QuotaViolation("tenant:acme", "50 requests/s"),)
+        ),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ),
+    (errors.Unavailable("shed", retry_after_s=0.5), grpc.StatusCode.UNAVAILABLE),
+    (errors.Unavailable("no healthy upstream"), grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded("deadline passed in queue"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Cancelled("client went away"), grpc.StatusCode.CANCELLED),
+    (errors.NotFound("no such model"), grpc.StatusCode.NOT_FOUND),
+    (errors.Internal("db password wrong at /etc/secret"), grpc.StatusCode.INTERNAL),
+    (KeyError("/etc/secret"), grpc.StatusCode.INTERNAL),
+]
+
+
+@pytest.fixture
+async def raising_server():
+    """An in-process server whose one method aborts with the error named in the request."""
+    by_index = dict(enumerate(err for err, _ in ROWS))
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await status.abort(context, by_index[int(request)])
+        raise AssertionError("abort returned")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "test.Errors", {"Raise": grpc.unary_unary_rpc_method_handler(handler)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel.unary_unary(_METHOD)
+    await server.stop(None)
+
+
+# The server fixture lives on the session loop (pyproject); the test must share it.
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("index", range(len(ROWS)), ids=[type(e).__name__ for e, _ in ROWS])
+async def test_row_through_real_channel(raising_server, index: int) -> None:
+    error, code = ROWS[index]
+    call = raising_server(str(index).encode())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == code
+    rich = rpc_status.from_call(caught.value)
+    assert rich is not None and rich.code == code.value[0]
+    details = {d.TypeName(): d for d in rich.details}
+
+    if code is grpc.StatusCode.INTERNAL:
+        # Generic text only: the cause stays in the log.
+        assert caught.value.details().startswith(status.INTERNAL_MESSAGE)
+        assert "secret" not in caught.value.details()
+        return
+    assert caught.value.details() == error.message
+
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is None:
+        assert "google.rpc.RetryInfo" not in details
+    else:
+        info = error_details_pb2.RetryInfo()
+        details["google.rpc.RetryInfo"].Unpack(info)
+        assert info.retry_delay.ToTimedelta().total_seconds() == pytest.approx(retry_after)
+    if isinstance(error, errors.QuotaExceeded):
+        failure = error_details_pb2.QuotaFailure()
+        details["google.rpc.QuotaFailure"].Unpack(failure)
+        assert [(v.subject, v.description) for v in failure.violations] == [
+            ("tenant:acme", "50 requests/s")
+        ]
+    else:
+        assert "google.rpc.QuotaFailure" not in details
+
+
+def test_every_domain_error_has_a_row() -> None:
+    domain = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GatewayError)}
+    assert domain - {errors.GatewayError} == set(status.TABLE)
+
+
+def test_stream_error_message_leads_with_the_code() -> None:
+    text = status.stream_error_message(errors.PermissionDenied("model 'x' not allowed"))
+    assert text == "PERMISSION_DENIED: model 'x' not allowed"
+
+
+def test_retry_delay_rounds_up() -> None:
+    rich = status.to_rich_status(errors.Unavailable("busy", retry_after_s=0.0000015))
+    info = error_details_pb2.RetryInfo()
+    rich.details[0].Unpack(info)
+    assert (info.retry_delay.seconds, info.retry_delay.nanos) == (0, 2000)
