@@ -1,0 +1,161 @@
+"""The minilm embedding model and the identity model on a real tritonserver.
+
+Run with QOSGATE_TEST_MODELS=minilm,identity to leave the LLM out while developing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import require_model
+
+pytestmark = pytest.mark.integration
+
+EMBEDDING_DIM = 384
+
+
+@pytest.fixture(scope="module")
+def client(triton) -> grpcclient.InferenceServerClient:
+    with grpcclient.InferenceServerClient(triton.ports.grpc_url) as c:
+        yield c
+
+
+def tensor(name: str, datatype: str, value: np.ndarray) -> grpcclient.InferInput:
+    result = grpcclient.InferInput(name, list(value.shape), datatype)
+    result.set_data_from_numpy(value)
+    return result
+
+
+def text_input(texts: list[str]) -> grpcclient.InferInput:
+    return tensor("text", "BYTES", np.array([[t.encode()] for t in texts], dtype=np.object_))
+
+
+def embed(client: grpcclient.InferenceServerClient, texts: list[str], **kwargs) -> np.ndarray:
+    result = client.infer("minilm", [text_input(texts)], **kwargs)
+    return result.as_numpy("embedding")
+
+
+def test_embeddings_are_384_dimensional_unit_vectors(client) -> None:
+    require_model("minilm")
+    vectors = embed(client, ["The cat sits on the mat.", "GPUs are fast.", "Bonjour"])
+    assert vectors.shape == (3, EMBEDDING_DIM)
+    assert vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    # Different texts, different vectors: a model that returned a constant would pass the
+    # norm check alone.
+    assert not np.allclose(vectors[0], vectors[1])
+
+
+def test_paraphrase_is_closer_than_an_unrelated_sentence(client) -> None:
+    require_model("minilm")
+    anchor, paraphrase, unrelated = embed(
+        client,
+        [
+            "How do I reset my password?",
+            "What are the steps to change a forgotten password?",
+            "The recipe needs two cups of flour and an egg.",
+        ],
+    )
+    # Unit vectors: the dot product is the cosine similarity.
+    similar, different = float(anchor @ paraphrase), float(anchor @ unrelated)
+    assert similar > 0.5, similar
+    assert similar > different + 0.3, (similar, different)
+
+
+def test_same_text_embeds_the_same_alone_or_in_a_batch(client) -> None:
+    require_model("minilm")
+    alone = embed(client, ["Padding must not change the vector."])[0]
+    batched = embed(client, ["x", "Padding must not change the vector.", "a much longer " * 20])[1]
+    np.testing.assert_allclose(alone, batched, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_every_gateway_class_level_is_served(client, level: int) -> None:
+    require_model("minilm")
+    vectors = embed(client, ["priority check"], priority=level, timeout=30_000_000)
+    assert vectors.shape == (1, EMBEDDING_DIM)
+
+
+def test_concurrent_requests_are_batched(client) -> None:
+    require_model("minilm")
+    requests, concurrency = 96, 16
+    before = minilm_statistics(client)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        shapes = list(
+            pool.map(lambda i: embed(client, [f"sentence number {i}"]).shape, range(requests))
+        )
+    after = minilm_statistics(client)
+    assert shapes == [(1, EMBEDDING_DIM)] * requests
+
+    inferences = after.inference_count - before.inference_count
+    executions = after.execution_count - before.execution_count
+    assert inferences == requests
+    # Fewer model executions than inferences means the dynamic batcher merged requests.
+    assert executions < inferences, (executions, inferences)
+
+
+def minilm_statistics(client: grpcclient.InferenceServerClient):
+    stats = client.get_inference_statistics("minilm", as_json=False)
+    (model,) = stats.model_stats
+    return model
+
+
+MALFORMED = {
+    "wrong dtype": (
+        [tensor("text", "INT32", np.array([[7]], dtype=np.int32))],
+        "expects 'BYTES'",
+    ),
+    "unknown input": (
+        [tensor("txt", "BYTES", np.array([[b"hello"]], dtype=np.object_))],
+        "unexpected inference input 'txt'",
+    ),
+    "missing input": ([], "expected 1 inputs but got 0"),
+    "blank text": ([text_input(["fine", "   "])], "text[1] is empty"),
+    "invalid UTF-8": (
+        [tensor("text", "BYTES", np.array([[b"\xff\xfe"]], dtype=np.object_))],
+        "not valid UTF-8",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_request_is_invalid_argument_and_the_model_keeps_serving(
+    client, case: str
+) -> None:
+    require_model("minilm")
+    inputs, message = MALFORMED[case]
+    with pytest.raises(InferenceServerException) as excinfo:
+        client.infer("minilm", inputs)
+    assert excinfo.value.status() == "StatusCode.INVALID_ARGUMENT", excinfo.value
+    assert message in excinfo.value.message(), excinfo.value.message()
+
+    assert embed(client, ["still serving"]).shape == (1, EMBEDDING_DIM)
+    assert client.is_model_ready("minilm")
+
+
+def test_a_bad_request_batched_with_good_ones_fails_alone(client) -> None:
+    require_model("minilm")
+
+    def call(texts: list[str]) -> str:
+        try:
+            embed(client, texts)
+        except InferenceServerException as exc:
+            return exc.status()
+        return "ok"
+
+    batches = [["good one"], [""], ["good two"], ["good three"]] * 4
+    with ThreadPoolExecutor(max_workers=len(batches)) as pool:
+        outcomes = list(pool.map(call, batches))
+    assert outcomes == ["ok", "StatusCode.INVALID_ARGUMENT", "ok", "ok"] * 4
+
+
+def test_identity_returns_its_input(client) -> None:
+    require_model("identity")
+    data = np.arange(12, dtype=np.float32).reshape(2, 6) / 7
+    result = client.infer("identity", [tensor("INPUT0", "FP32", data)], priority=1)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data)
