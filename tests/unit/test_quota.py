@@ -1,0 +1,180 @@
+"""Token-bucket refill math and admission verdicts, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from qosgate.auth import Tenant
+from qosgate.config import LimitsConfig
+from qosgate.errors import QuotaExceeded
+from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused, TokenBucket, WindowBudget
+from tests.fakes import FakeClock
+
+
+def tenant(**limits: float) -> Tenant:
+    return Tenant(
+        name="acme",
+        weight=1.0,
+        default_class="standard",
+        max_class="standard",
+        models=("*",),
+        admin=False,
+        limits=LimitsConfig(**limits),
+    )
+
+
+def test_bucket_starts_full_and_allows_exactly_burst() -> None:
+    bucket = TokenBucket.full(rate=2.0, capacity=5, now=0.0)
+    for _ in range(5):
+        assert bucket.wait_s(0.0, 1) == 0.0
+        bucket.take(0.0, 1)
+    assert bucket.wait_s(0.0, 1) == pytest.approx(0.5)
+
+
+def test_bucket_refills_at_rate_and_caps_at_capacity() -> None:
+    bucket = TokenBucket.full(rate=4.0, capacity=10, now=0.0)
+    bucket.take(0.0, 10)
+    bucket.wait_s(1.0, 1)
+    assert bucket.level == pytest.approx(4.0)
+    bucket.wait_s(100.0, 1)
+    assert bucket.level == 10
+
+
+@pytest.mark.parametrize("rate", [0.3, 3.0, 7.0, 50.0, 1000.0])
+def test_retry_after_is_exact(rate: float) -> None:
+    bucket = TokenBucket.full(rate=rate, capacity=3, now=10.0)
+    bucket.take(10.0, 3)
+    wait = bucket.wait_s(10.0, 1)
+    assert wait == pytest.approx(1 / rate)
+    # Just before the advertised moment it is still refused, at the moment it is granted.
+    assert bucket.wait_s(10.0 + wait * 0.999, 1) > 0
+    assert bucket.wait_s(10.0 + wait, 1) == 0.0
+
+
+def test_bucket_ignores_a_stale_now() -> None:
+    bucket = TokenBucket.full(rate=1.0, capacity=2, now=5.0)
+    bucket.take(5.0, 2)
+    assert bucket.wait_s(4.0, 1) == pytest.approx(1.0)
+    assert bucket.updated == 5.0
+
+
+def test_cost_above_capacity_is_admitted_when_full_and_paid_for_later() -> None:
+    bucket = TokenBucket.full(rate=10.0, capacity=100, now=0.0)
+    assert bucket.wait_s(0.0, 250) == 0.0
+    bucket.take(0.0, 250)
+    assert bucket.level == -150
+    assert bucket.wait_s(0.0, 1) == pytest.approx(15.1)
+
+
+def test_window_budget_rolls_over() -> None:
+    budget = WindowBudget(limit=100, window_s=60.0, start=0.0)
+    budget.charge(1.0, 100)
+    assert budget.wait_s(10.0, 1) == pytest.approx(50.0)
+    assert budget.wait_s(60.0, 1) == 0.0
+    assert budget.used == 0.0
+    budget.charge(130.0, 40)
+    assert budget.start == 120.0
+
+
+def test_admission_rate_limit_refuses_with_exact_retry_after() -> None:
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    acme = tenant(requests_per_second=5, burst=2)
+    for _ in range(2):
+        verdict = admission.admit(acme)
+        assert isinstance(verdict, Admitted)
+        verdict.permit.release()
+    refused = admission.admit(acme)
+    assert isinstance(refused, Refused)
+    assert refused.retry_after_s == pytest.approx(0.2)
+    assert [v.subject for v in refused.violations] == ["tenant:acme"]
+    assert "requests_per_second limit 5 (burst 2)" in refused.violations[0].description
+    clock.advance(refused.retry_after_s)
+    assert isinstance(admission.admit(acme), Admitted)
+
+
+def test_default_burst_is_the_rate_rounded_up() -> None:
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    acme = tenant(requests_per_second=2.5)
+    assert [isinstance(admission.admit(acme), Admitted) for _ in range(4)] == [True] * 3 + [False]
+
+
+def test_concurrency_is_freed_by_release_exactly_once() -> None:
+    clock = FakeClock()
+    store = InMemoryQuotaStore()
+    admission = Admission(store, clock)
+    acme = tenant(max_concurrent=2)
+    first, second = admission.admit(acme), admission.admit(acme)
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    third = admission.admit(acme)
+    assert isinstance(third, Refused)
+    assert "max_concurrent limit 2 reached" in third.violations[0].description
+    first.permit.release()
+    first.permit.release()  # idempotent: must not free the second request's slot too
+    assert store.in_flight("acme") == 1
+    assert isinstance(admission.admit(acme), Admitted)
+    assert isinstance(admission.admit(acme), Refused)
+
+
+def test_a_refusal_charges_nothing_and_names_every_violation() -> None:
+    clock = FakeClock()
+    store = InMemoryQuotaStore()
+    admission = Admission(store, clock)
+    acme = tenant(requests_per_second=1, burst=1, max_concurrent=1)
+    held = admission.admit(acme)
+    assert isinstance(held, Admitted)
+    refused = admission.admit(acme)
+    assert isinstance(refused, Refused)
+    assert len(refused.violations) == 2
+    assert refused.retry_after_s == pytest.approx(1.0)  # the longest of the waits
+    assert store.in_flight("acme") == 1
+
+
+def test_tokens_per_minute_reserve_and_reconcile() -> None:
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    acme = tenant(tokens_per_minute=600)  # 10 tokens/s
+    big = admission.admit(acme, cost_tokens=500)
+    assert isinstance(big, Admitted)
+    # Only 100 left: a request estimating 200 waits 10 s for the missing 100.
+    refused = admission.admit(acme, cost_tokens=200)
+    assert isinstance(refused, Refused)
+    assert refused.retry_after_s == pytest.approx(10.0)
+    # The big one used only 100: 400 come back and the same request now fits.
+    big.permit.release(actual_tokens=100)
+    assert isinstance(admission.admit(acme, cost_tokens=200), Admitted)
+
+
+def test_daily_budget_refuses_until_the_window_ends() -> None:
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    acme = tenant(daily_token_budget=1000)
+    first = admission.admit(acme, cost_tokens=1000)
+    assert isinstance(first, Admitted)
+    clock.advance(3600)
+    refused = admission.admit(acme, cost_tokens=1)
+    assert isinstance(refused, Refused)
+    assert refused.retry_after_s == pytest.approx(86_400 - 3600)
+    clock.advance(refused.retry_after_s)
+    assert isinstance(admission.admit(acme, cost_tokens=1), Admitted)
+
+
+def test_refused_becomes_quota_exceeded() -> None:
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    acme = tenant(requests_per_second=1, burst=1)
+    admission.admit(acme)
+    refused = admission.admit(acme)
+    assert isinstance(refused, Refused)
+    error = refused.error()
+    assert isinstance(error, QuotaExceeded)
+    assert error.retry_after_s == refused.retry_after_s
+    assert error.violations == refused.violations
+    assert error.message.startswith("quota exceeded: requests_per_second limit 1")
+
+
+def test_unlimited_tenant_is_always_admitted() -> None:
+    admission = Admission(InMemoryQuotaStore(), FakeClock())
+    acme = tenant()
+    assert all(isinstance(admission.admit(acme, cost_tokens=10**9), Admitted) for _ in range(1000))
