@@ -1,0 +1,148 @@
+"""The usage ledger: one SQLite row per finished LLM request, per-day totals per tenant.
+
+It is what the daily token budget counts against, so it must survive a gateway restart
+and a kill -9. Durability choice: WAL journal with synchronous=NORMAL. In WAL mode a
+commit is appended to the -wal file before `commit()` returns, so a killed process loses
+nothing it committed (the OS still holds the write); only an OS crash or power loss can
+drop the last commits, which then count like requests that were in flight. FULL would
+add an fsync per request (milliseconds on the hot path of every generation) to cover
+that case as well, which a usage meter does not need.
+
+Totals per (tenant, UTC day) are kept in memory, loaded from the rows of the current
+day when first asked, so budget checks cost no query.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from qosgate.quota.tokens import utc_day
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    id INTEGER PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    day TEXT NOT NULL,               -- UTC day of finished_at, YYYY-MM-DD
+    finished_at REAL NOT NULL,       -- Unix seconds
+    model TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    finish_reason TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_by_tenant_day ON usage (tenant, day);
+CREATE INDEX IF NOT EXISTS usage_by_tenant_time ON usage (tenant, finished_at);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """The usage of one finished (completed, stopped or cancelled) request."""
+
+    tenant: str
+    model: str
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class UsageSummary:
+    """Requests and tokens of one tenant over a period."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def plus(self, record: UsageRecord) -> UsageSummary:
+        return UsageSummary(
+            self.requests + 1,
+            self.prompt_tokens + record.prompt_tokens,
+            self.completion_tokens + record.completion_tokens,
+        )
+
+
+class UsageLedger:
+    """Persistent per-request usage in one SQLite file; safe to share between threads."""
+
+    def __init__(self, path: Path | str, *, wall_time: Callable[[], float]) -> None:
+        """Open (creating if needed) the ledger at `path`; `wall_time` gives Unix seconds."""
+        self._wall_time = wall_time
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # One connection behind a lock: writes are tiny and serialized anyway, and the
+        # batch runner may record from another thread.
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        self._day_totals: dict[tuple[str, str], UsageSummary] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def record(self, record: UsageRecord) -> None:
+        """Persist one request's usage (committed when this returns)."""
+        now = self._wall_time()
+        day = utc_day(now)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO usage (tenant, day, finished_at, model, request_id, prompt_tokens,"
+                " completion_tokens, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.tenant,
+                    day,
+                    now,
+                    record.model,
+                    record.request_id,
+                    record.prompt_tokens,
+                    record.completion_tokens,
+                    record.finish_reason,
+                ),
+            )
+            key = (record.tenant, day)
+            if key in self._day_totals:
+                self._day_totals[key] = self._day_totals[key].plus(record)
+
+    def day_summary(self, tenant: str, day: str) -> UsageSummary:
+        """What `tenant` used on the UTC `day` (YYYY-MM-DD)."""
+        key = (tenant, day)
+        with self._lock:
+            summary = self._day_totals.get(key)
+            if summary is None:
+                summary = self._summary("tenant = ? AND day = ?", (tenant, day))
+                # Only the current day keeps changing; older days are read on demand.
+                if day == utc_day(self._wall_time()):
+                    self._day_totals = {k: v for k, v in self._day_totals.items() if k[1] == day}
+                    self._day_totals[key] = summary
+            return summary
+
+    def tokens_used(self, tenant: str, day: str) -> int:
+        """Prompt + completion tokens of `tenant` on `day` (the daily budget's count)."""
+        return self.day_summary(tenant, day).total_tokens
+
+    def recent_summary(self, tenant: str, seconds: float) -> UsageSummary:
+        """What `tenant` used in the last `seconds` (by finish time)."""
+        since = self._wall_time() - seconds
+        with self._lock:
+            return self._summary("tenant = ? AND finished_at >= ?", (tenant, since))
+
+    def _summary(self, where: str, args: tuple[object, ...]) -> UsageSummary:
+        row = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
+            f" FROM usage WHERE {where}",
+            args,
+        ).fetchone()
+        return UsageSummary(int(row[0]), int(row[1]), int(row[2]))

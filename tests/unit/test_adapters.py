@@ -1,0 +1,171 @@
+"""Adapters: GenerationRequest → Triton tensors, and Triton responses → chunks and usage.
+
+Requests are checked by decoding them with tritonclient's own tensor helpers (an
+independent reader); responses are built the way Triton sends them (raw contents).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from qosgate.adapters import adapter_for
+from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
+from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
+from qosgate.errors import InvalidArgument
+
+
+def _inputs(request: service_pb2.ModelInferRequest) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    decoded = {}
+    for tensor, raw in zip(request.inputs, request.raw_input_contents, strict=True):
+        if tensor.datatype == "BYTES":
+            values = deserialize_bytes_tensor(raw)
+        else:
+            dtype = {"BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+            values = np.frombuffer(raw, dtype=dtype[tensor.datatype])
+        decoded[tensor.name] = (tensor.datatype, list(tensor.shape), values)
+    return decoded
+
+
+def _response(*, final: bool = False, **outputs: object) -> service_pb2.ModelInferResponse:
+    """A response as Triton sends it: typed outputs with raw contents."""
+    response = service_pb2.ModelInferResponse(model_name="m", id="r1")
+    for name, value in outputs.items():
+        tensor = response.outputs.add(name=name, shape=[1])
+        if isinstance(value, str):
+            tensor.datatype = "BYTES"
+            raw = serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item()
+        else:
+            tensor.datatype = "UINT32"
+            raw = struct.pack("<I", value)
+        response.raw_output_contents.append(raw)
+    if final:
+        response.parameters["triton_final_response"].bool_param = True
+    return response
+
+
+REQUEST = GenerationRequest(
+    model="smollm2",
+    prompt="Héllo",
+    sampling=Sampling(max_tokens=16, temperature=0.0, top_p=0.9, top_k=5, seed=7, stop=("\n\n", "END")),
+    stream=True,
+)
+
+
+def test_vllm_request_carries_the_contract_tensors() -> None:
+    request = adapter_for("vllm").encode(REQUEST, request_id="req-1")
+    assert request.model_name == "smollm2" and request.id == "req-1"
+    assert request.parameters["triton_enable_empty_final_response"].bool_param
+    inputs = _inputs(request)
+    assert inputs["text_input"][0] == "BYTES" and inputs["text_input"][2][0].decode() == "Héllo"
+    assert inputs["stream"][2].tolist() == [True]
+    params = json.loads(inputs["sampling_parameters"][2][0])
+    assert params == {"max_tokens": 16, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n", "END"]}
+    for flag in ("exclude_input_in_output", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        assert inputs[flag][2].tolist() == [True], flag
+
+
+def test_vllm_sampling_leaves_out_unset_fields() -> None:
+    bare = GenerationRequest(model="m", prompt="x", sampling=Sampling(max_tokens=3), stream=False)
+    inputs = _inputs(adapter_for("vllm").encode(bare, request_id="r"))
+    assert json.loads(inputs["sampling_parameters"][2][0]) == {"max_tokens": 3}
+    assert inputs["stream"][2].tolist() == [False]
+
+
+def test_vllm_stream_sums_deltas_and_takes_the_engine_prompt_count() -> None:
+    decoder = adapter_for("vllm").decoder(REQUEST, prompt_tokens_estimate=99)
+    first = decoder.feed(_response(text_output="Par", num_input_tokens=12, num_output_tokens=1))
+    assert (first.text, first.final) == ("Par", False)
+    decoder.feed(_response(text_output="is", num_input_tokens=12, num_output_tokens=2))
+    decoder.feed(_response(text_output=".", finish_reason="stop", num_input_tokens=12, num_output_tokens=1))
+    last = decoder.feed(_response(final=True))
+    assert last.final and last.text == ""
+    assert last.finish_reason is FinishReason.STOP
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (12, 4)
+
+
+def test_vllm_finish_reasons_map_and_cancel_counts_what_was_seen() -> None:
+    decoder = adapter_for("vllm").decoder(REQUEST, prompt_tokens_estimate=5)
+    decoder.feed(_response(text_output="a", num_output_tokens=1))
+    assert decoder.counted().completion_tokens == 1
+    assert decoder.counted().prompt_tokens == 5  # estimate until the engine says otherwise
+    last = decoder.feed(_response(final=True, text_output="b", finish_reason="length", num_output_tokens=1))
+    assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == 2
+    aborted = adapter_for("vllm").decoder(REQUEST, prompt_tokens_estimate=5)
+    assert aborted.feed(_response(final=True, finish_reason="abort")).finish_reason is FinishReason.CANCELLED
+
+
+def test_trtllm_request_follows_the_ensemble_contract() -> None:
+    request = adapter_for("trtllm").encode(REQUEST, request_id="req-2")
+    inputs = _inputs(request)
+    assert inputs["text_input"][:2] == ("BYTES", [1, 1])
+    assert inputs["max_tokens"][0] == "INT32" and inputs["max_tokens"][2].tolist() == [16]
+    # Always streamed towards the engine, so steps can be counted and cancels stop it.
+    assert inputs["stream"][2].tolist() == [True]
+    assert inputs["temperature"][0] == "FP32" and inputs["temperature"][2].tolist() == [0.0]
+    assert inputs["top_p"][2].tolist() == pytest.approx([0.9])
+    assert inputs["top_k"][0] == "INT32" and inputs["top_k"][2].tolist() == [5]
+    assert inputs["random_seed"][0] == "UINT64" and inputs["random_seed"][2].tolist() == [7]
+    assert inputs["stop_words"][1] == [1, 2]
+    assert [w.decode() for w in inputs["stop_words"][2]] == ["\n\n", "END"]
+    assert all(shape[0] == 1 for _, shape, _ in inputs.values())  # batch dimension
+
+
+def test_trtllm_unset_sampling_sends_no_optional_tensors() -> None:
+    bare = GenerationRequest(model="m", prompt="x", sampling=Sampling(max_tokens=3), stream=False)
+    assert set(_inputs(adapter_for("trtllm").encode(bare, request_id="r"))) == {"text_input", "max_tokens", "stream"}
+
+
+def test_trtllm_counts_steps_and_infers_length_stop() -> None:
+    decoder = adapter_for("trtllm").decoder(REQUEST, prompt_tokens_estimate=4)
+    for piece in ("a", "b", "c"):
+        assert decoder.feed(_response(text_output=piece)).text == piece
+    last = decoder.feed(_response(final=True))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 3)
+    assert last.finish_reason is FinishReason.STOP
+    capped = adapter_for("trtllm").decoder(
+        GenerationRequest(model="m", prompt="x", sampling=Sampling(max_tokens=2), stream=True),
+        prompt_tokens_estimate=1,
+    )
+    capped.feed(_response(text_output="a"))
+    assert capped.feed(_response(final=True, text_output="b")).finish_reason is FinishReason.LENGTH
+
+
+def test_trtllm_prefers_sequence_length_when_the_model_reports_it() -> None:
+    decoder = adapter_for("trtllm").decoder(REQUEST, prompt_tokens_estimate=4)
+    decoder.feed(_response(text_output="ab", sequence_length=2))
+    last = decoder.feed(_response(final=True, text_output="c", sequence_length=5))
+    assert last.usage.completion_tokens == 5
+
+
+def test_unknown_adapter_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown generation adapter 'onnx'"):
+        adapter_for("onnx")
+
+
+def test_chatml_template_renders_turns_and_opens_the_answer() -> None:
+    template = ChatTemplate("chatml")
+    prompt = template.render([ChatMessage(Role.SYSTEM, "Be brief."), ChatMessage(Role.USER, "Hi")])
+    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert ChatTemplate(CHATML).render([ChatMessage(Role.USER, "Hi")]).endswith("<|im_start|>assistant\n")
+
+
+def test_template_errors_are_clear() -> None:
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}")
+    refusing = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    with pytest.raises(InvalidArgument, match="user first"):
+        refusing.render([ChatMessage(Role.ASSISTANT, "x")])
+    with pytest.raises(InvalidArgument, match="empty"):
+        refusing.render([])
+
+
+def test_template_sandbox_blocks_python_internals() -> None:
+    sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(InvalidArgument):
+        sneaky.render([ChatMessage(Role.USER, "x")])
