@@ -12,10 +12,18 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
 
@@ -150,6 +158,25 @@ class ModelPolicy(_Frozen):
     """Requests in flight at Triton for this model; the rest wait in the gateway's queues."""
     max_queued: int = Field(default=2000, ge=1)
     """Requests queued for this model (all classes) before overload shedding starts."""
+    adapter: Literal["vllm", "trtllm"] = "vllm"
+    """Generation API only: the model's tensor contract, `vllm` (vLLM backend) or `trtllm`
+    (TensorRT-LLM ensemble)."""
+    chat_template: str = "chatml"
+    """Generation API only: Jinja2 chat template (Hugging Face dialect) that renders chat
+    messages into the prompt, or the name of a built-in one (`chatml`)."""
+    default_max_tokens: int = Field(default=256, ge=1)
+    """Generation API only: max_tokens of requests that set none."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_compiles(cls, source: str) -> str:
+        from qosgate.adapters.chat_template import ChatTemplate, TemplateError
+
+        try:
+            ChatTemplate(source)
+        except TemplateError as e:
+            raise ValueError(str(e)) from None
+        return source
 
 
 class GatewayConfig(_Frozen):
@@ -176,6 +203,9 @@ class GatewayConfig(_Frozen):
     """Policy of models not listed in `models`."""
     tenants: list[TenantConfig] = Field(default_factory=list)
     """Who may call the gateway."""
+    usage_db: str | None = None
+    """SQLite file of the token usage ledger (daily budgets, GetUsage); relative paths are
+    relative to the working directory; default `<project>/.cache/usage.sqlite3`."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
