@@ -1,0 +1,345 @@
+"""The scheduler: its pure core on a fake clock, then the asyncio wrapper's waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from qosgate.auth import Tenant
+from qosgate.config import GatewayConfig, LimitsConfig, parse_config
+from qosgate.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
+from tests.fakes import FakeClock
+
+MODEL = "m"
+
+
+def config(window: int = 1, max_queued: int = 10_000, **scheduler: Any) -> GatewayConfig:
+    scheduler.setdefault("floor_share", 0.0)
+    return parse_config(
+        {
+            "models": {MODEL: {"dispatch_window": window, "max_queued": max_queued}},
+            "scheduler": scheduler,
+        }
+    )
+
+
+class Harness:
+    """A core with one model whose window starts full, so every submit queues."""
+
+    def __init__(self, cfg: GatewayConfig, *, fill_window: bool = True) -> None:
+        self.core = SchedulingCore(cfg)
+        self.clock = FakeClock()
+        if fill_window:
+            for _ in range(cfg.model_policy(MODEL).dispatch_window):
+                assert self.submit("filler", "critical").state is WaiterState.DISPATCHED
+
+    def submit(
+        self, tenant: str, klass: str, *, weight: float = 1.0, deadline: float | None = None
+    ) -> Waiter:
+        waiter = Waiter(tenant, weight, klass, MODEL, deadline, self.clock.now())
+        self.core.submit(waiter, self.clock.now())
+        return waiter
+
+    def release(self) -> list[Waiter]:
+        return list(self.core.release(MODEL, self.clock.now()))
+
+    def next_dispatched(self) -> Waiter:
+        (waiter,) = self.release()
+        assert waiter.state is WaiterState.DISPATCHED
+        return waiter
+
+
+def test_strict_priority_order() -> None:
+    h = Harness(config())
+    for klass in ["batch", "standard", "interactive", "critical", "batch", "critical"]:
+        h.submit("t", klass)
+    order = [h.next_dispatched().klass for _ in range(6)]
+    assert order == ["critical", "critical", "interactive", "standard", "batch", "batch"]
+
+
+def test_fifo_within_a_tenant() -> None:
+    h = Harness(config())
+    waiters = [h.submit("t", "standard") for _ in range(5)]
+    assert [h.next_dispatched() for _ in range(5)] == waiters
+
+
+@pytest.mark.parametrize("floor", [0.05, 0.1, 0.25])
+def test_anti_starvation_floor_gives_a_lower_class_its_share(floor: float) -> None:
+    h = Harness(config(floor_share_by_class={"batch": floor}))
+    for _ in range(1000):
+        h.submit("flood", "critical")
+        h.submit("bulk", "batch")
+    counts = Counter(h.next_dispatched().klass for _ in range(400))
+    assert counts["batch"] >= floor * 400 - 1
+    # ...and no more than its floor: the rest stays strictly with the higher class.
+    assert counts["batch"] <= floor * 400 + 1
+
+
+def test_floor_share_is_not_banked_while_a_class_is_idle() -> None:
+    h = Harness(config(floor_share_by_class={"batch": 0.1}))
+    for _ in range(100):
+        h.submit("flood", "critical")
+    for _ in range(50):
+        h.next_dispatched()
+    h.submit("bulk", "batch")
+    # Batch just arrived: it must earn its credit anew (9 critical first), not spend 50 x 0.1.
+    order = [h.next_dispatched().klass for _ in range(10)]
+    assert order == ["critical"] * 9 + ["batch"]
+
+
+def test_each_lower_class_gets_its_floor_alongside_the_others() -> None:
+    h = Harness(config(floor_share=0.1))
+    for _ in range(500):
+        for klass in ["critical", "interactive", "standard", "batch"]:
+            h.submit("t", klass)
+    counts = Counter(h.next_dispatched().klass for _ in range(1000))
+    for klass in ["interactive", "standard", "batch"]:
+        assert counts[klass] >= 0.1 * 1000 - 1, counts
+
+
+@pytest.mark.parametrize(
+    "weights", [{"a": 2.0, "b": 1.0}, {"a": 3.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 5.0}]
+)
+def test_weighted_fair_share_within_five_percent(weights: dict[str, float]) -> None:
+    h = Harness(config(max_queue_length=10_000))
+    for _ in range(2000):
+        for name, weight in weights.items():
+            h.submit(name, "standard", weight=weight)
+    dispatches = 1000
+    counts = Counter(h.next_dispatched().tenant for _ in range(dispatches))
+    total = sum(weights.values())
+    for name, weight in weights.items():
+        expected = weight / total
+        assert abs(counts[name] / dispatches - expected) <= 0.05 * expected, counts
+
+
+def test_a_tenant_returning_from_idle_gets_no_burst() -> None:
+    h = Harness(config())
+    for _ in range(200):
+        h.submit("busy", "standard")
+    for _ in range(100):
+        h.next_dispatched()
+    for _ in range(50):
+        h.submit("late", "standard")
+    tenants = Counter(h.next_dispatched().tenant for _ in range(20))
+    assert tenants == {"busy": 10, "late": 10}
+
+
+def test_fair_share_is_per_class() -> None:
+    h = Harness(config())
+    for _ in range(10):
+        h.submit("a", "batch")
+        h.submit("b", "interactive")
+    assert {h.next_dispatched().tenant for _ in range(10)} == {"b"}
+
+
+def test_deadline_passed_in_queue_is_dropped_not_dispatched() -> None:
+    h = Harness(config())
+    soon = h.submit("t", "standard", deadline=h.clock.now() + 1.0)
+    later = h.submit("t", "standard", deadline=h.clock.now() + 10.0)
+    h.clock.advance(2.0)
+    decided = h.release()
+    assert decided == [soon, later]
+    assert soon.state is WaiterState.DROPPED
+    assert isinstance(soon.error, DeadlineExceeded)
+    assert later.state is WaiterState.DISPATCHED and later.error is None
+
+
+def test_arrival_with_passed_deadline_is_refused_when_it_would_queue() -> None:
+    h = Harness(config())
+    with pytest.raises(DeadlineExceeded):
+        h.submit("t", "standard", deadline=h.clock.now())
+    assert h.core.snapshot().queued == {}
+
+
+def test_shedding_takes_the_lowest_sheddable_class_first_never_critical() -> None:
+    h = Harness(config(max_queued=4))
+    batch = [h.submit("bulk", "batch") for _ in range(2)]
+    standard = [h.submit("std", "standard") for _ in range(2)]
+    shed: list[Waiter] = []
+    for _ in range(3):
+        waiter = Waiter("vip", 1.0, "interactive", MODEL, None, h.clock.now())
+        shed += h.core.submit(waiter, h.clock.now())
+    # Lowest first, newest first within it.
+    assert shed == [batch[1], batch[0], standard[1]]
+    assert all(w.state is WaiterState.DROPPED and isinstance(w.error, Unavailable) for w in shed)
+    assert shed[0].error is not None and shed[0].error.retry_after_s == 1.0
+    for _ in range(4):
+        h.core.submit(Waiter("ops", 1.0, "critical", MODEL, None, 0.0), 0.0)
+    # Only critical left queued: a critical arrival is refused, nothing critical is shed.
+    with pytest.raises(Unavailable, match="overloaded"):
+        h.submit("ops", "critical")
+    assert h.core.snapshot().queued[(MODEL, "critical", "ops")] == 4
+
+
+def test_shedding_spares_classes_not_listed_as_sheddable() -> None:
+    h = Harness(config(max_queued=2, sheddable_classes=["batch"]))
+    h.submit("a", "standard")
+    h.submit("a", "standard")
+    with pytest.raises(Unavailable, match="overloaded"):
+        h.submit("b", "critical")
+
+
+def test_shedding_never_takes_the_arrivals_own_or_a_higher_class() -> None:
+    h = Harness(config(max_queued=2))
+    h.submit("a", "interactive")
+    h.submit("a", "standard")
+    with pytest.raises(Unavailable):
+        h.submit("b", "batch")
+    with pytest.raises(Unavailable):
+        h.submit("b", "standard")
+
+
+def test_shedding_hits_the_busiest_tenant() -> None:
+    h = Harness(config(max_queued=4))
+    polite = h.submit("polite", "batch")
+    hog = [h.submit("hog", "batch") for _ in range(3)]
+    (shed,) = h.core.submit(Waiter("x", 1.0, "critical", MODEL, None, 0.0), 0.0)
+    assert shed is hog[-1] and polite.state is WaiterState.QUEUED
+
+
+def test_bounded_queue_per_class() -> None:
+    h = Harness(config(max_queue_length=100, max_queue_length_by_class={"batch": 2}))
+    h.submit("t", "batch")
+    h.submit("t", "batch")
+    with pytest.raises(Unavailable, match="queue of class 'batch' for model 'm' is full"):
+        h.submit("t", "batch")
+    h.submit("t", "standard")  # other classes have their own bound
+    assert h.core.snapshot().queued[(MODEL, "batch", "t")] == 2
+
+
+def test_withdrawn_waiter_is_never_dispatched() -> None:
+    h = Harness(config())
+    first = h.submit("t", "standard")
+    second = h.submit("t", "standard")
+    assert h.core.withdraw(first)
+    assert not h.core.withdraw(first)
+    assert h.core.snapshot().queued[(MODEL, "standard", "t")] == 1
+    assert h.next_dispatched() is second
+    assert not h.core.withdraw(second)  # dispatched: nothing to withdraw
+
+
+def test_dispatch_window_caps_in_flight() -> None:
+    h = Harness(config(window=3), fill_window=False)
+    waiters = [h.submit("t", "standard") for _ in range(5)]
+    assert [w.state for w in waiters] == [WaiterState.DISPATCHED] * 3 + [WaiterState.QUEUED] * 2
+    assert h.core.snapshot().in_flight == {MODEL: 3}
+    assert h.release() == [waiters[3]]
+    assert h.core.snapshot().in_flight == {MODEL: 3}
+    h.release()
+    h.release()
+    h.release()
+    assert h.core.snapshot().in_flight == {MODEL: 1}
+
+
+def test_models_have_separate_windows_and_unknown_models_the_default_policy() -> None:
+    core = SchedulingCore(parse_config({"default_model_policy": {"dispatch_window": 2}}))
+    waiters = [Waiter("t", 1.0, "standard", model, None, 0.0) for model in ["x", "x", "y", "x"]]
+    for waiter in waiters:
+        core.submit(waiter, 0.0)
+    assert [w.state for w in waiters] == [WaiterState.DISPATCHED] * 3 + [WaiterState.QUEUED]
+    assert core.snapshot().in_flight == {"x": 2, "y": 1}
+
+
+def test_unknown_class_is_invalid_argument() -> None:
+    h = Harness(config())
+    with pytest.raises(InvalidArgument):
+        h.submit("t", "gold")
+
+
+# --- the asyncio wrapper ------------------------------------------------------------------
+
+def tenant(name: str = "acme", weight: float = 1.0) -> Tenant:
+    return Tenant(name, weight, "standard", "critical", ("*",), False, LimitsConfig())
+
+
+async def test_slot_fast_path_and_queued_wait() -> None:
+    clock = FakeClock()
+    scheduler = Scheduler(config(), clock)
+    entered: list[float] = []
+
+    async def second() -> None:
+        async with scheduler.slot(tenant=tenant(), klass="critical", model=MODEL, deadline=None) as d:
+            entered.append(d.queue_wait_s)
+            assert d.priority_level == 1
+
+    async with scheduler.slot(tenant=tenant(), klass="batch", model=MODEL, deadline=None) as first:
+        assert first.queue_wait_s == 0.0 and first.priority_level == 4
+        task = asyncio.create_task(second())
+        await asyncio.sleep(0)
+        assert scheduler.snapshot().queued[(MODEL, "critical", "acme")] == 1
+        clock.advance(0.25)
+    await task
+    assert entered == [0.25]
+    assert scheduler.snapshot().in_flight == {MODEL: 0}
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    scheduler = Scheduler(config(), FakeClock())
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        async with scheduler.slot(tenant=tenant(name), klass="standard", model=MODEL, deadline=None):
+            order.append(name)
+
+    async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
+        doomed = asyncio.create_task(wait("doomed"))
+        survivor = asyncio.create_task(wait("survivor"))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await asyncio.sleep(0)
+        assert scheduler.snapshot().queued[(MODEL, "standard", "doomed")] == 0
+    await survivor
+    assert doomed.cancelled() and order == ["survivor"]
+
+
+async def test_cancelled_in_the_instant_of_its_grant_hands_the_slot_on() -> None:
+    scheduler = Scheduler(config(), FakeClock())
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        async with scheduler.slot(tenant=tenant(name), klass="standard", model=MODEL, deadline=None):
+            order.append(name)
+
+    async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
+        granted = asyncio.create_task(wait("granted"))
+        after = asyncio.create_task(wait("after"))
+        await asyncio.sleep(0)
+    granted.cancel()  # its future is already resolved: it holds the slot, must pass it on
+    await asyncio.wait_for(after, 1.0)
+    assert order == ["after"] and granted.cancelled()
+    assert scheduler.snapshot().in_flight == {MODEL: 0}
+
+
+async def test_deadline_while_queued_raises_deadline_exceeded() -> None:
+    clock = FakeClock()
+    scheduler = Scheduler(config(), clock)
+    async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
+        with pytest.raises(DeadlineExceeded):
+            async with scheduler.slot(
+                tenant=tenant(), klass="standard", model=MODEL, deadline=clock.now() + 0.02
+            ):
+                pytest.fail("must not be dispatched")
+        assert scheduler.snapshot().queued[(MODEL, "standard", "acme")] == 0
+
+
+async def test_shed_waiter_raises_unavailable() -> None:
+    scheduler = Scheduler(config(max_queued=1), FakeClock())
+
+    async def batch() -> None:
+        async with scheduler.slot(tenant=tenant(), klass="batch", model=MODEL, deadline=None):
+            pytest.fail("must be shed")
+
+    async with scheduler.slot(tenant=tenant(), klass="batch", model=MODEL, deadline=None):
+        victim = asyncio.create_task(batch())
+        await asyncio.sleep(0)
+        vip = asyncio.create_task(
+            scheduler.slot(tenant=tenant(), klass="critical", model=MODEL, deadline=None).__aenter__()
+        )
+        with pytest.raises(Unavailable, match="shed under overload"):
+            await victim
+    await vip
