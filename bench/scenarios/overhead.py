@@ -1,0 +1,142 @@
+"""overhead: what one hop costs. perf_analyzer on the identity model at several
+concurrencies, straight at Triton, through nginx grpc_pass, and through qosgate.
+
+The hops' CPU per request comes from /proc (utime+stime of the hop's process group over
+the measurement) divided by the requests Triton counted in the same interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Callable
+
+import tritonclient.grpc as grpcclient
+
+from bench import perf, plots
+from bench.report import Aim, Figure, ScenarioResult
+from bench.scenarios import RunContext
+from bench.stack import GroupProcess, Stack, checked, gateway_available
+
+log = logging.getLogger(__name__)
+
+MODEL = "identity"
+SHAPE = ("INPUT0:16",)
+API_KEY = "bench-overhead-key"
+TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
+
+
+@dataclasses.dataclass(slots=True)
+class Sample:
+    """One target at one concurrency: perf_analyzer's figures plus the hop's CPU cost."""
+
+    target: str
+    point: perf.PerfPoint
+    cpu_us_per_request: float | None
+
+
+def successes(triton_url: str) -> int:
+    client = grpcclient.InferenceServerClient(url=triton_url)
+    try:
+        stats = client.get_inference_statistics(MODEL, as_json=True)
+    finally:
+        client.close()
+    return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+
+def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
+                   concurrency: int, settings: perf.PerfSettings) -> Sample:
+    headers = (f"authorization:Bearer {API_KEY}",) if target == "qosgate" else ()
+    before_count = successes(stack.triton_url)
+    before_cpu = hop.cpu_seconds() if hop else 0.0
+    point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
+                         shape=SHAPE, headers=headers)
+    cpu_us = None
+    if hop is not None:
+        requests = successes(stack.triton_url) - before_count
+        cpu_us = (hop.cpu_seconds() - before_cpu) * 1e6 / max(requests, 1)
+    log.info("%s c=%d: %.0f infer/s p50 %.0f us p99 %.0f us cpu/req %s us", target, concurrency,
+             point.throughput, point.p50_us, point.p99_us, f"{cpu_us:.0f}" if cpu_us else "-")
+    return Sample(target, point, cpu_us)
+
+
+def run(ctx: RunContext) -> ScenarioResult:
+    levels: list[int] = ctx.pick([1, 4, 16], [1, 2, 4, 8, 16, 32])
+    settings = perf.PerfSettings(window_ms=ctx.pick(1500, 4000), max_trials=ctx.pick(3, 5))
+    notes = [f"identity model (FP32[16]), perf_analyzer 2.51.0 closed loop, "
+             f"{settings.window_ms} ms windows; nginx 1 worker with grpc_pass and upstream keepalive."]
+    samples: list[tuple[int, Sample]] = []
+    with checked(Stack(models=[MODEL])) as stack:
+        targets: list[tuple[str, str, GroupProcess | None]] = [
+            ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
+        if gateway_available():
+            url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
+            targets.append(("qosgate", url, stack.gateway))
+        else:
+            notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
+        for concurrency in levels:
+            # Targets interleave at each level so machine drift hits them alike.
+            for name, url, hop in targets:
+                samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
+    return ctx.result(*summarise(samples, levels), notes=notes,
+                      plot=lambda path: draw(samples, path))
+
+
+def summarise(samples: list[tuple[int, Sample]], levels: list[int]
+              ) -> tuple[list[Figure], dict[str, list[dict[str, object]]]]:
+    by = {(c, s.target): s for c, s in samples}
+    rows = [
+        {"concurrency": c, "target": s.target, "infer/s": round(s.point.throughput, 1),
+         "p50 ms": s.point.p50_us / 1e3, "p99 ms": s.point.p99_us / 1e3,
+         "hop CPU us/req": "" if s.cpu_us_per_request is None else round(s.cpu_us_per_request, 1)}
+        for c, s in samples
+    ]
+    figures: list[Figure] = []
+    low = levels[0]
+    nginx_added = (by[(low, "nginx")].point.p50_us - by[(low, "direct")].point.p50_us) / 1e3
+    if (low, "qosgate") not in by:
+        figures.append(Figure("qosgate throughput / nginx", None, "%", Aim(">=", 80.0)))
+        return figures, {"perf_analyzer": rows}
+    for c in levels:
+        q, n, d = by[(c, "qosgate")], by[(c, "nginx")], by[(c, "direct")]
+        figures.append(Figure(
+            f"qosgate throughput / nginx, concurrency {c}", 100 * q.point.throughput / n.point.throughput, "%",
+            Aim(">=", 80.0),
+            reference=f"qosgate {q.point.throughput:,.0f}, nginx {n.point.throughput:,.0f}, "
+                      f"direct {d.point.throughput:,.0f} infer/s"))
+    top = levels[-1]
+    gw_cpu = by[(top, "qosgate")].cpu_us_per_request or 0.0
+    figures.append(Figure(
+        f"qosgate CPU per request, concurrency {top}", gw_cpu, "us", Aim("<=", 100.0),
+        reference=f"nginx {by[(top, 'nginx')].cpu_us_per_request or 0:.0f} us"))
+    added = (by[(low, "qosgate")].point.p50_us - by[(low, "direct")].point.p50_us) / 1e3
+    figures.append(Figure(
+        f"qosgate p50 added latency, concurrency {low}", added, "ms", Aim("<=", 0.5),
+        reference=f"nginx adds {nginx_added:.3f} ms"))
+    return figures, {"perf_analyzer": rows}
+
+
+def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
+    fig, (thr, lat, cpu) = plots.panels(3)
+    targets = sorted({s.target for _, s in samples}, key=["direct", "nginx", "qosgate"].index)
+    metric: dict[str, Callable[[Sample], float | None]] = {
+        "p50": lambda s: s.point.p50_us / 1e3, "p99": lambda s: s.point.p99_us / 1e3}
+    for target in targets:
+        mine = [(c, s) for c, s in samples if s.target == target]
+        xs = [c for c, _ in mine]
+        thr.plot(xs, [s.point.throughput for _, s in mine], marker="o", label=target)
+        for name, get in metric.items():
+            lat.plot(xs, [get(s) for _, s in mine], marker="o", linestyle="-" if name == "p50" else "--",
+                     label=f"{target} {name}")
+        if target != "direct":
+            cpu.plot(xs, [s.cpu_us_per_request for _, s in mine], marker="o", label=target)
+    cpu.axhline(100, color="grey", linestyle=":", label="aim (qosgate)")
+    for ax, title, unit in ((thr, "throughput", "infer/s"), (lat, "latency", "ms"),
+                            (cpu, "hop CPU per request", "us")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(unit)
+        ax.set_title(f"identity: {title}")
+        ax.legend(fontsize=7)
+    plots.save(fig, path)

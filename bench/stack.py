@@ -1,0 +1,275 @@
+"""The processes a scenario runs against: local Triton, an nginx grpc_pass hop, the gateway.
+
+Each lives in its own process group and is stopped as a group, so a scenario leaves
+nothing behind even when it fails half-way; `Stack` is the one context a scenario enters.
+Ports are picked by the OS, never fixed, because other runs share the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from qosgate.launcher import LOOPBACK, LocalTriton, TritonPorts
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU time of every live process in a process group, from /proc.
+
+    /proc/<pid>/stat counts all threads of a process; fields 14 and 15 (utime, stime) are
+    in clock ticks. A process that exited since is not counted, so read this while the
+    group runs.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces; the fields after it are fixed.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # field 5, pgrp
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM the process group, wait, then SIGKILL whatever is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and group_alive(proc.pid):
+        proc.poll()
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class GroupProcess:
+    """A child started in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, cmd: Sequence[str], log_path: pathlib.Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None, start_new_session=True,
+            )
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        return group_cpu_seconds(self.pgid)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+
+NGINX_CONF = """\
+worker_processes 1;
+pid {dir}/nginx.pid;
+daemon off;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream triton {{
+        server {upstream};
+        keepalive 64;
+    }}
+    server {{
+        listen {listen} http2;
+        location / {{
+            grpc_pass grpc://triton;
+            grpc_read_timeout 600s;
+            grpc_send_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib.Path:
+    """A plain gRPC reverse proxy: the reference cost of one L7 hop (one worker, like the
+    single-process gateway)."""
+    conf = directory / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=directory, listen=listen, upstream=upstream))
+    return conf
+
+
+def gateway_config(*, listen: str, metrics_listen: str, upstream: str,
+                   tenants: Sequence[Mapping[str, Any]],
+                   models: Mapping[str, Mapping[str, Any]] | None = None,
+                   scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run."""
+    doc: dict[str, Any] = {
+        "listen": listen,
+        "metrics_listen": metrics_listen,
+        "upstreams": [{"name": "local", "url": upstream}],
+        "tenants": [dict(t) for t in tenants],
+    }
+    if models:
+        doc["models"] = {name: dict(policy) for name, policy in models.items()}
+    if scheduler:
+        doc["scheduler"] = dict(scheduler)
+    return doc
+
+
+class Stack:
+    """Triton plus the optional hops in front of it, all stopped on exit.
+
+    `triton_url`, `nginx_url` and `gateway_url` are `host:port` gRPC targets; the hops
+    start only when asked for.
+    """
+
+    def __init__(self, *, models: Sequence[str], work_dir: pathlib.Path | None = None,
+                 model_repository: pathlib.Path | None = None) -> None:
+        self.models = list(models)
+        self.model_repository = model_repository
+        self._own_dir = tempfile.TemporaryDirectory(prefix="qosgate-bench-") if work_dir is None else None
+        self.dir = pathlib.Path(self._own_dir.name) if self._own_dir else work_dir  # type: ignore[arg-type]
+        self.triton: LocalTriton | None = None
+        self.nginx: GroupProcess | None = None
+        self.gateway: GroupProcess | None = None
+        self.nginx_url = ""
+        self.gateway_url = ""
+        self._exit = contextlib.ExitStack()
+
+    @property
+    def triton_url(self) -> str:
+        assert self.triton is not None
+        return self.triton.ports.grpc_url
+
+    def __enter__(self) -> Stack:
+        self._exit.__enter__()
+        try:
+            ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
+            self.triton = LocalTriton(
+                models=self.models, ports=ports, model_repository=self.model_repository,
+                log_path=self.dir / "tritonserver.log",
+            )
+            self._exit.enter_context(self.triton)
+        except BaseException:
+            self._exit.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit.close()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()
+
+    def start_nginx(self) -> str:
+        directory = self.dir / "nginx"
+        directory.mkdir(exist_ok=True)
+        port = free_port()
+        conf = nginx_config(directory, f"{LOOPBACK}:{port}", self.triton_url)
+        self.nginx = GroupProcess(
+            "nginx", ["nginx", "-c", str(conf), "-p", str(directory), "-e", str(directory / "error.log")],
+            directory / "stdout.log",
+        )
+        self._exit.callback(self.nginx.stop)
+        wait_for_port(port, self.nginx.proc, "nginx")
+        self.nginx_url = f"{LOOPBACK}:{port}"
+        return self.nginx_url
+
+    def start_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
+                      models: Mapping[str, Mapping[str, Any]] | None = None,
+                      scheduler: Mapping[str, Any] | None = None) -> str:
+        """`qosgate serve` with a config generated for this run; returns its gRPC target."""
+        port = free_port()
+        doc = gateway_config(
+            listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{free_port()}",
+            upstream=self.triton_url, tenants=tenants, models=models, scheduler=scheduler,
+        )
+        path = self.dir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        qosgate = pathlib.Path(sys.executable).with_name("qosgate")
+        self.gateway = GroupProcess(
+            "gateway", [str(qosgate), "serve", "--config", str(path)], self.dir / "gateway.log",
+        )
+        self._exit.callback(self.gateway.stop)
+        try:
+            wait_for_port(port, self.gateway.proc, "qosgate serve")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; log:\n{self.gateway.log_tail()}") from exc
+        self.gateway_url = f"{LOOPBACK}:{port}"
+        return self.gateway_url
+
+
+def leftover_processes(pgids: Sequence[int]) -> list[int]:
+    """Process groups from this run that still have a live member (should be none)."""
+    return [pgid for pgid in pgids if group_alive(pgid)]
+
+
+@contextlib.contextmanager
+def checked(stack: Stack) -> Iterator[Stack]:
+    """Enter a stack and, after it stopped, fail loudly if any of its groups survived."""
+    with stack:
+        try:
+            yield stack
+        finally:
+            groups = [p.pgid for p in (stack.nginx, stack.gateway) if p is not None]
+            if stack.triton is not None and stack.triton.pid is not None:
+                groups.append(stack.triton.pid)
+    left = leftover_processes(groups)
+    if left:
+        raise RuntimeError(f"process groups left behind: {left}")
+
+
+def gateway_available() -> bool:
+    """Whether this checkout's `qosgate` command has the `serve` subcommand yet."""
+    qosgate = pathlib.Path(sys.executable).with_name("qosgate")
+    out = subprocess.run([str(qosgate), "serve", "--help"], capture_output=True, check=False)
+    return out.returncode == 0
