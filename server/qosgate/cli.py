@@ -14,6 +14,18 @@ def _prepare_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    from qosgate.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.file)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok: {config.summary()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qosgate", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -25,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     prep.set_defaults(func=_prepare_models)
+
+    check = sub.add_parser(
+        "check-config", help="validate a gateway config; on error print FILE: key.path: reason"
+    )
+    check.add_argument("file", help="gateway YAML config")
+    check.set_defaults(func=_check_config)
     return parser
 
 

@@ -3,6 +3,7 @@ in-process one without touching admission."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,41 +77,16 @@ class InMemoryQuotaStore:
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
     ) -> Refused | None:
         state = self._state(tenant, limits, now)
-        wait = 0.0
-        violations: list[QuotaViolation] = []
-        subject = f"tenant:{tenant}"
-        if state.requests is not None:
-            w = state.requests.wait_s(now, 1)
-            if w > 0:
-                wait = max(wait, w)
-                violations.append(
-                    QuotaViolation(
-                        subject,
-                        f"requests_per_second limit {limits.requests_per_second:g} "
-                        f"(burst {state.requests.capacity:g}) exceeded",
-                    )
-                )
-        if limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent:
-            wait = max(wait, CONCURRENCY_RETRY_AFTER_S)
-            violations.append(
-                QuotaViolation(subject, f"max_concurrent limit {limits.max_concurrent} reached")
-            )
-        if state.tokens is not None and cost_tokens > 0:
-            w = state.tokens.wait_s(now, cost_tokens)
-            if w > 0:
-                wait = max(wait, w)
-                violations.append(
-                    QuotaViolation(subject, f"tokens_per_minute limit {limits.tokens_per_minute} exceeded")
-                )
-        if state.budget is not None and cost_tokens > 0:
-            w = state.budget.wait_s(now, cost_tokens)
-            if w > 0:
-                wait = max(wait, w)
-                violations.append(
-                    QuotaViolation(subject, f"daily_token_budget {limits.daily_token_budget} exhausted")
-                )
-        if violations:
-            return Refused(retry_after_s=wait, violations=tuple(violations))
+        charged_tokens = cost_tokens > 0
+        over_concurrency = limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
+        waits = (
+            state.requests.wait_s(now, 1) if state.requests is not None else 0.0,
+            CONCURRENCY_RETRY_AFTER_S if over_concurrency else 0.0,
+            state.tokens.wait_s(now, cost_tokens) if state.tokens and charged_tokens else 0.0,
+            state.budget.wait_s(now, cost_tokens) if state.budget and charged_tokens else 0.0,
+        )
+        if any(waits):
+            return _refusal(tenant, limits, waits)
         if state.requests is not None:
             state.requests.take(now, 1)
         if state.tokens is not None and cost_tokens > 0:
@@ -146,6 +122,31 @@ class InMemoryQuotaStore:
     def in_flight(self, tenant: str) -> int:
         state = self._states.get(tenant)
         return state.in_flight if state is not None else 0
+
+
+# One description per entry of the `waits` tuple in `acquire`, formatted only on refusal so
+# admission stays free of string formatting.
+_DESCRIPTIONS: tuple[Callable[[LimitsConfig], str], ...] = (
+    lambda limits: (
+        f"requests_per_second limit {limits.requests_per_second:g} "
+        f"(burst {limits.effective_burst()}) exceeded"
+    ),
+    lambda limits: f"max_concurrent limit {limits.max_concurrent} reached",
+    lambda limits: f"tokens_per_minute limit {limits.tokens_per_minute} exceeded",
+    lambda limits: f"daily_token_budget {limits.daily_token_budget} exhausted",
+)
+
+
+def _refusal(tenant: str, limits: LimitsConfig, waits: tuple[float, ...]) -> Refused:
+    subject = f"tenant:{tenant}"
+    return Refused(
+        retry_after_s=max(waits),
+        violations=tuple(
+            QuotaViolation(subject, describe(limits))
+            for wait, describe in zip(waits, _DESCRIPTIONS, strict=True)
+            if wait > 0
+        ),
+    )
 
 
 def _rate_bucket(limits: LimitsConfig, now: float) -> TokenBucket | None:

@@ -1,0 +1,125 @@
+"""Identity from metadata, class resolution and the admin and model checks."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import pytest
+
+from qosgate.auth import TenantDirectory
+from qosgate.config import parse_config
+from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+
+@pytest.fixture
+def directory() -> TenantDirectory:
+    return TenantDirectory(
+        parse_config(
+            {
+                "tenants": [
+                    {
+                        "name": "acme",
+                        "api_keys": [{"key": "acme-1"}, {"key": "acme-2"}],
+                        "default_class": "interactive",
+                        "max_class": "critical",
+                        "weight": 2,
+                    },
+                    {
+                        "name": "globex",
+                        "api_keys": [{"sha256": hashlib.sha256(b"globex-1").hexdigest()}],
+                        "max_class": "interactive",
+                        "models": ["smollm*", "minilm"],
+                        "limits": {"requests_per_second": 5},
+                    },
+                    {"name": "ops", "admin": True, "api_keys": [{"key": "ops-1"}]},
+                ]
+            }
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("metadata", "tenant"),
+    [
+        ({"authorization": "Bearer acme-1"}, "acme"),
+        ({"authorization": "bearer acme-2"}, "acme"),
+        ({"authorization": "BEARER   acme-2  "}, "acme"),
+        ({"x-api-key": "globex-1"}, "globex"),
+        ({"x-api-key": "ops-1", "other": "x"}, "ops"),
+    ],
+)
+def test_identify(directory: TenantDirectory, metadata: dict[str, str], tenant: str) -> None:
+    assert directory.identify(metadata).name == tenant
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({}, "missing API key"),
+        ({"authorization": "Bearer "}, "missing API key"),
+        ({"authorization": "Basic YWNtZS0xOg=="}, "missing API key"),
+        ({"authorization": "acme-1"}, "missing API key"),
+        ({"authorization": "Bearer nope"}, "invalid API key"),
+        ({"x-api-key": "ACME-1"}, "invalid API key"),
+        # The authorization header wins: a bad one is not rescued by x-api-key.
+        ({"authorization": "Bearer nope", "x-api-key": "acme-1"}, "invalid API key"),
+    ],
+)
+def test_identify_refuses(directory: TenantDirectory, metadata: dict[str, str], message: str) -> None:
+    with pytest.raises(Unauthenticated, match=message):
+        directory.identify(metadata)
+
+
+def test_a_refused_key_appears_in_no_message_or_log(
+    directory: TenantDirectory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(Unauthenticated) as caught:
+        directory.identify({"authorization": "Bearer s3cret-guess"})
+    assert "s3cret" not in caught.value.message and "s3cret" not in caplog.text
+
+
+def test_tenant_fields(directory: TenantDirectory) -> None:
+    acme, globex, ops = directory.tenants
+    assert (acme.weight, acme.default_class, acme.max_class) == (2, "interactive", "critical")
+    assert (globex.default_class, globex.max_class) == ("standard", "interactive")
+    assert globex.limits.requests_per_second == 5
+    assert ops.admin and not acme.admin
+
+
+def test_resolve_class(directory: TenantDirectory) -> None:
+    acme, globex, _ = directory.tenants
+    assert directory.resolve_class(acme, None) == "interactive"
+    assert directory.resolve_class(acme, "") == "interactive"
+    assert directory.resolve_class(acme, "critical") == "critical"
+    assert directory.resolve_class(globex, "batch") == "batch"
+    assert directory.resolve_class(globex, "interactive") == "interactive"
+    with pytest.raises(PermissionDenied, match="may not use class 'critical'"):
+        directory.resolve_class(globex, "critical")
+    with pytest.raises(InvalidArgument, match="unknown priority class 'urgent'"):
+        directory.resolve_class(acme, "urgent")
+
+
+def test_models_are_fnmatch_patterns(directory: TenantDirectory) -> None:
+    acme, globex, _ = directory.tenants
+    assert acme.allows_model("anything")
+    assert globex.allows_model("smollm2") and globex.allows_model("minilm")
+    assert not globex.allows_model("identity")
+    assert not globex.allows_model("minilm2")  # a pattern matches the whole name
+    with pytest.raises(PermissionDenied, match="may not use model 'identity'"):
+        directory.require_model(globex, "identity")
+    directory.require_model(globex, "smollm2_trtllm")
+
+
+def test_no_model_patterns_allow_nothing() -> None:
+    config = parse_config({"tenants": [{"name": "a", "api_keys": [{"key": "k"}], "models": []}]})
+    (tenant,) = TenantDirectory(config).tenants
+    assert not tenant.allows_model("x")
+
+
+def test_require_admin(directory: TenantDirectory) -> None:
+    acme, _, ops = directory.tenants
+    directory.require_admin(ops, "model load")
+    with pytest.raises(PermissionDenied, match="model load requires an admin tenant"):
+        directory.require_admin(acme, "model load")

@@ -1,0 +1,157 @@
+"""Config loading: the shipped files load, and each kind of mistake gets its exact message."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from qosgate import paths
+from qosgate.auth import TenantDirectory
+from qosgate.cli import main
+from qosgate.config import ConfigError, GatewayConfig, load_config, parse_config
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "config"
+CLASSES = "(classes: critical, interactive, standard, batch)"
+
+# One fixture per config error, checked against the exact message (file: key path: reason).
+EXPECTED_ERRORS = {
+    "admin_not_bool": "tenants[0].admin: Input should be a valid boolean, unable to interpret input",
+    "api_key_bad_sha256": "tenants[0].api_keys[0].sha256: must be 64 lower-case hex digits",
+    "api_key_both_forms": "tenants[0].api_keys[0]: set exactly one of sha256, key",
+    "api_key_empty": "tenants[0].api_keys[0].key: must not be empty",
+    "burst_without_rate": "tenants[0].limits.burst: burst requires requests_per_second",
+    "burst_zero": "tenants[1].limits.burst: Input should be greater than or equal to 1",
+    "default_above_max": (
+        "tenants[0].default_class: default class 'critical' is above max_class 'interactive'"
+    ),
+    "dispatch_window_zero": (
+        "models.smollm2.dispatch_window: Input should be greater than or equal to 1"
+    ),
+    "duplicate_api_key": "tenants[1].api_keys[0]: duplicate API key (also used by tenant 'acme')",
+    "duplicate_class": "classes[2]: duplicate class 'standard'",
+    "duplicate_tenant": "tenants[1].name: duplicate tenant 'acme'",
+    "duplicate_upstream": "upstreams[1].name: duplicate upstream 'local'",
+    "empty_classes": "classes: List should have at least 1 item after validation, not 0",
+    "floor_shares_too_large": "scheduler: floor shares of the lower classes must sum to less than 1",
+    "floor_unknown_class": f"scheduler.floor_share_by_class.gold: unknown class 'gold' {CLASSES}",
+    "missing_tenant_name": "tenants[0].name: Field required",
+    "not_a_mapping": "(root): expected a mapping, got list",
+    "sheddable_highest": (
+        "scheduler.sheddable_classes[1]: the highest class 'critical' is never sheddable"
+    ),
+    "unknown_class": f"tenants[0].max_class: unknown class 'gold' {CLASSES}",
+    "unknown_key": "tenant: Extra inputs are not permitted",
+    "weight_not_positive": "tenants[0].weight: Input should be greater than 0",
+    "yaml_syntax": "line 4, column 1: invalid YAML: expected ',' or ']', but got '<stream end>'",
+}
+
+
+def test_every_error_fixture_has_an_expected_message() -> None:
+    assert sorted(p.stem for p in (FIXTURES / "errors").glob("*.yaml")) == sorted(EXPECTED_ERRORS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
+def test_config_error_message(name: str) -> None:
+    path = FIXTURES / "errors" / f"{name}.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"{path}: {EXPECTED_ERRORS[name]}"
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match=r"^/nonexistent/x\.yaml: cannot read: No such file"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_every_problem_is_reported_one_per_line() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"listen": 1, "tenants": [{"weight": -1}]}, source="c.yaml")
+    assert str(caught.value).splitlines() == [
+        "c.yaml: listen: Input should be a valid string",
+        "c.yaml: tenants[0].name: Field required",
+        "c.yaml: tenants[0].weight: Input should be greater than 0",
+    ]
+
+
+def test_errors_never_echo_a_key() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"tenants": [{"name": "a", "api_keys": [{"key": "s3cret", "x": 1}]}]})
+    assert "s3cret" not in str(caught.value)
+    config = parse_config({"tenants": [{"name": "a", "api_keys": [{"key": "s3cret"}]}]})
+    assert "s3cret" not in repr(config) and "s3cret" not in config.model_dump_json()
+
+
+def test_issue_example_loads() -> None:
+    config = load_config(FIXTURES / "issue_example.yaml")
+    acme, ops = config.tenants
+    assert (acme.weight, acme.default_class, acme.max_class) == (2, "interactive", "critical")
+    assert acme.limits.burst == 100 and acme.limits.max_concurrent == 64
+    assert ops.admin and ops.models == ["*"]
+    directory = TenantDirectory(config)
+    assert directory.identify({"x-api-key": "acme-key"}).name == "acme"
+
+
+def test_shipped_demo_config() -> None:
+    config = load_config(paths.project_root() / "config" / "demo.yaml")
+    directory = TenantDirectory(config)
+    acme = directory.identify({"authorization": "Bearer demo-acme-key"})
+    globex = directory.identify({"authorization": "Bearer demo-globex-key"})
+    ops = directory.identify({"x-api-key": "demo-admin-key"})
+    assert (acme.name, acme.max_class, acme.weight) == ("acme", "critical", 2)
+    assert (globex.name, globex.max_class, globex.admin) == ("globex", "interactive", False)
+    assert (ops.name, ops.admin) == ("ops", True)
+    assert not globex.allows_model("identity") and acme.allows_model("identity")
+    assert config.upstreams[0].url == "127.0.0.1:8001"
+    assert {"smollm2", "minilm"} <= set(config.models)
+    # The demo keys appear in plain text only where the file says they are demo keys.
+    text = (paths.project_root() / "config" / "demo.yaml").read_text()
+    assert "DEMO KEY" in text
+
+
+def test_defaults() -> None:
+    config = GatewayConfig()
+    assert config.listen == "127.0.0.1:50051"
+    assert config.metrics_listen == "127.0.0.1:9464"
+    assert config.classes == ["critical", "interactive", "standard", "batch"]
+    assert [u.url for u in config.upstreams] == ["127.0.0.1:8001"]
+    assert config.model_policy("anything") == config.default_model_policy
+    assert config.sheddable_classes() == ["batch", "standard", "interactive"]
+    assert config.floor_share("critical") == 0.0 and config.floor_share("batch") == 0.05
+
+
+def test_class_levels_follow_the_class_list() -> None:
+    config = parse_config({"classes": ["gold", "silver", "bronze"]})
+    assert [config.class_level(c) for c in ["gold", "silver", "bronze"]] == [1, 2, 3]
+    with pytest.raises(KeyError):
+        config.class_level("critical")
+    # Without a `standard` class, tenants default to the lowest class.
+    assert config.gateway_default_class() == "bronze"
+
+
+def test_tenant_class_defaults() -> None:
+    config = parse_config(
+        {
+            "default_class": "batch",
+            "tenants": [
+                {"name": "a", "api_keys": [{"key": "ka"}]},
+                {"name": "b", "api_keys": [{"key": "kb"}], "default_class": "standard"},
+                {"name": "c", "api_keys": [{"key": "kc"}], "max_class": "critical"},
+            ],
+        }
+    )
+    a, b, c = TenantDirectory(config).tenants
+    assert (a.default_class, a.max_class) == ("batch", "batch")
+    assert (b.default_class, b.max_class) == ("standard", "standard")
+    assert (c.default_class, c.max_class) == ("batch", "critical")
+
+
+def test_check_config_command(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = paths.project_root() / "config" / "demo.yaml"
+    assert main(["check-config", str(demo)]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{demo}: ok: 3 tenants (1 admin), 4 classes, 2 model policies, 1 upstreams, listen 127.0.0.1:50051\n"
+    bad = FIXTURES / "errors" / "burst_zero.yaml"
+    assert main(["check-config", str(bad)]) != 0
+    err = capsys.readouterr().err
+    assert err == f"{bad}: tenants[1].limits.burst: Input should be greater than or equal to 1\n"
