@@ -14,6 +14,25 @@ def _prepare_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from qosgate import app
+    from qosgate.config import load_config
+
+    asyncio.run(app.serve(load_config(args.config)))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from qosgate import app, paths
+    from qosgate.config import load_config
+
+    config = load_config(args.config or paths.project_root() / "config" / "demo.yaml")
+    app.up(config, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
+    return 0
+
+
 def _check_config(args: argparse.Namespace) -> int:
     from qosgate.config import ConfigError, load_config
 
@@ -38,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     prep.set_defaults(func=_prepare_models)
 
+    serve = sub.add_parser("serve", help="run the gateway in front of the config's upstreams")
+    serve.add_argument("--config", required=True, help="gateway YAML config")
+    serve.set_defaults(func=_serve)
+
+    up = sub.add_parser("up", help="run a local tritonserver and the gateway together (Ctrl-C stops both)")
+    up.add_argument("--config", help="gateway YAML config (default: config/demo.yaml)")
+    up.add_argument(
+        "--models", default="smollm2,minilm,identity", help="comma-separated models Triton loads"
+    )
+    up.set_defaults(func=_up)
+
     check = sub.add_parser(
         "check-config", help="validate a gateway config; on error print FILE: key.path: reason"
     )
@@ -54,4 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return int(args.func(args) or 0)
+    from qosgate.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:  # serve/up with a bad config: the message, not a traceback
+        print(e, file=sys.stderr)
+        return 2

@@ -1,0 +1,163 @@
+"""Wiring: one place where config becomes a running gateway.
+
+`Gateway` builds the domain (tenants, admission, scheduler) and the edge (KServe service,
+gRPC health reflecting upstream readiness, server reflection, Prometheus metrics) from a
+GatewayConfig, and owns their lifecycle. `serve` runs it until SIGINT/SIGTERM; `up` runs
+it in front of a local tritonserver and stops both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from qosgate.auth import TenantDirectory
+from qosgate.clock import Clock, MonotonicClock
+from qosgate.config import GatewayConfig, UpstreamConfig
+from qosgate.launcher import LocalTriton, TritonPorts
+from qosgate.metrics import GatewayMetrics, MetricsEndpoint
+from qosgate.quota import Admission, InMemoryQuotaStore
+from qosgate.scheduler import Scheduler
+from qosgate.services.kserve import KServeService
+from qosgate.upstream import UpstreamPool
+from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
+
+log = logging.getLogger(__name__)
+
+LOCAL_MODELS = ("smollm2", "minilm", "identity")
+
+# Same ceiling as Triton's: batches of tensors exceed gRPC's 4 MiB default.
+_SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.so_reuseport", 0),
+)
+
+
+class Gateway:
+    """The gateway process's parts, started and stopped together."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        clock: Clock | None = None,
+        serve_metrics: bool = True,
+        health_check_interval_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.metrics = GatewayMetrics()
+        self.pool = UpstreamPool(config.upstreams, check_interval_s=health_check_interval_s)
+        self.scheduler = Scheduler(config, self.clock)
+        self.directory = TenantDirectory(config)
+        self.admission = Admission(InMemoryQuotaStore(), self.clock)
+        self.health = health.aio.HealthServicer()
+        self._serve_metrics = serve_metrics
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_endpoint.port if self._metrics_endpoint else None
+
+    async def start(self) -> None:
+        """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
+        kserve = KServeService(
+            directory=self.directory,
+            admission=self.admission,
+            scheduler=self.scheduler,
+            pool=self.pool,
+            metrics=self.metrics,
+            clock=self.clock,
+        )
+        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((kserve.rpc_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (KSERVE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.listen}")
+
+        self.pool.on_health_change(self._publish_health)
+        await self._publish_health(False)
+        await self.pool.start()
+        self.metrics.watch(
+            self.scheduler.snapshot, lambda: ((u.name, u.healthy) for u in self.pool.upstreams)
+        )
+        if self._serve_metrics:
+            self._metrics_endpoint = self.metrics.serve(self.config.metrics_listen)
+        await server.start()
+        self._server = server
+        log.info(
+            "qosgate listening on %s (port %d), metrics on %s; %s",
+            self.config.listen,
+            self.port,
+            self.config.metrics_listen if self._serve_metrics else "(off)",
+            self.config.summary(),
+        )
+
+    async def _publish_health(self, ready: bool) -> None:
+        state = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", KSERVE_SERVICE):
+            await self.health.set(service, state)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Refuse new calls, give running ones `grace_s`, then close upstreams and metrics."""
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        await self.pool.close()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.stop()
+            self._metrics_endpoint = None
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run a gateway until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = Gateway(config)
+    await gateway.start()
+    try:
+        await stop.wait()
+        log.info("stopping qosgate")
+    finally:
+        await gateway.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+
+
+def up(config: GatewayConfig, *, models: tuple[str, ...] = LOCAL_MODELS) -> None:
+    """Run a local tritonserver and the gateway in front of it until SIGINT/SIGTERM.
+
+    The gateway's upstreams are replaced by the local server. Triton is stopped on every
+    way out, including a signal while it is still loading models.
+    """
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    # Until the event loop takes the signals over, SIGTERM must unwind through
+    # LocalTriton's context manager instead of killing us with Triton left running.
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        ports = TritonPorts()
+        with LocalTriton(models=models, ports=ports):
+            local = config.model_copy(update={"upstreams": [UpstreamConfig(name="local", url=ports.grpc_url)]})
+            asyncio.run(serve(local))
+    finally:
+        signal.signal(signal.SIGTERM, previous)

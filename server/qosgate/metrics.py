@@ -1,0 +1,139 @@
+"""Prometheus metrics of the gateway, served on their own HTTP port (default 127.0.0.1:9464).
+
+Label children are cached per label tuple: prometheus_client's `labels()` takes a lock and
+builds a key on every call, which the hot path does not need to pay twice per request.
+Queue depth, in-flight counts and upstream readiness are not counted by the edge: they are
+read from their owners at scrape time, so they cannot drift from the real state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from qosgate.scheduler.core import SchedulerSnapshot
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+class _ScrapeTimeCollector(Collector):
+    """Gauges computed when Prometheus scrapes, from the objects that own the state."""
+
+    def __init__(
+        self,
+        scheduler: Callable[[], SchedulerSnapshot],
+        upstreams: Callable[[], Iterable[tuple[str, bool]]],
+    ) -> None:
+        self._scheduler = scheduler
+        self._upstreams = upstreams
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        snapshot = self._scheduler()
+        depth = GaugeMetricFamily(
+            "qosgate_queue_depth",
+            "Requests waiting in the gateway's scheduler",
+            labels=("model", "class", "tenant"),
+        )
+        for (model, klass, tenant), queued in snapshot.queued.items():
+            depth.add_metric((model, klass, tenant), queued)
+        in_flight = GaugeMetricFamily(
+            "qosgate_in_flight", "Requests dispatched to Triton and not finished", labels=("model",)
+        )
+        for model, count in snapshot.in_flight.items():
+            in_flight.add_metric((model,), count)
+        ready = GaugeMetricFamily(
+            "qosgate_upstream_ready",
+            "1 if the upstream answered ServerReady at the last check",
+            labels=("upstream",),
+        )
+        for name, healthy in self._upstreams():
+            ready.add_metric((name,), 1 if healthy else 0)
+        yield from (depth, in_flight, ready)
+
+
+class GatewayMetrics:
+    """The gateway's counters and histograms, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._requests = Counter(
+            "qosgate_requests",
+            "Requests finished, by model, tenant, class and gRPC status code",
+            ("rpc", "model", "tenant", "class", "code"),
+            registry=self.registry,
+        )
+        self._rejections = Counter(
+            "qosgate_rejections",
+            "Requests the gateway refused itself, by reason (quota, unavailable, deadline, ...)",
+            ("reason", "tenant", "class"),
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "qosgate_queue_wait_seconds",
+            "Time a request waited in the gateway's scheduler before dispatch",
+            ("class", "tenant"),
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._upstream_latency = Histogram(
+            "qosgate_upstream_latency_seconds",
+            "Time from dispatch to Triton until its (last) response",
+            ("upstream", "model"),
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def watch(
+        self,
+        scheduler: Callable[[], SchedulerSnapshot],
+        upstreams: Callable[[], Iterable[tuple[str, bool]]],
+    ) -> None:
+        """Export queue depth, in-flight counts and upstream readiness, read at scrape time."""
+        self.registry.register(_ScrapeTimeCollector(scheduler, upstreams))
+
+    def request_done(self, rpc: str, model: str, tenant: str, klass: str, code: str) -> None:
+        self._child(self._requests, (rpc, model, tenant, klass, code)).inc()
+
+    def rejected(self, reason: str, tenant: str, klass: str) -> None:
+        self._child(self._rejections, (reason, tenant, klass)).inc()
+
+    def queue_wait(self, klass: str, tenant: str, seconds: float) -> None:
+        self._child(self._queue_wait, (klass, tenant)).observe(seconds)
+
+    def upstream_latency(self, upstream: str, model: str, seconds: float) -> None:
+        self._child(self._upstream_latency, (upstream, model)).observe(seconds)
+
+    def serve(self, listen: str) -> MetricsEndpoint:
+        """Start the /metrics HTTP server on `host:port` (port 0: any free port)."""
+        host, _, port = listen.rpartition(":")
+        server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        return MetricsEndpoint(server, thread)
+
+
+class MetricsEndpoint:
+    """The running /metrics HTTP server."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.port: int = server.server_address[1]
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

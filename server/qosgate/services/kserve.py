@@ -1,0 +1,472 @@
+"""`inference.GRPCInferenceService` (KServe v2), served as a drop-in for Triton.
+
+Every RPC of the service is handled here, registered with bytes in and bytes out so the
+gateway forwards what the caller sent without decoding tensors:
+
+- inference (ModelInfer; ModelStreamInfer per request inside the stream): identify →
+  authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended to the
+  request bytes) → forward;
+- model-scoped metadata (ModelReady/Metadata/Config/Statistics) and RepositoryIndex:
+  forwarded after authentication, showing a tenant only its allowed models; asking about
+  another model is PERMISSION_DENIED, whether or not it exists, so nothing leaks;
+- shared memory, repository load/unload, trace and log settings: admin tenants only;
+- server liveness, readiness and metadata: any authenticated tenant.
+
+Upstream Triton errors go back with Triton's own code, details and trailers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from qosgate import errors
+from qosgate.auth import Tenant, TenantDirectory
+from qosgate.clock import Clock
+from qosgate.metrics import GatewayMetrics
+from qosgate.quota import Admission, Refused
+from qosgate.scheduler import Scheduler
+from qosgate.services import infer_wire, status
+from qosgate.upstream import Upstream, UpstreamPool
+from qosgate.upstream.pool import METHODS, SERVICE
+
+log = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "x-priority"
+# Triton closes a stream at its first error when the caller sends this header; the
+# gateway then does the same for its own refusals.
+GRPC_ERROR_HEADER = "triton_grpc_error"
+
+ADMIN_ONLY = frozenset(
+    {
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+        "SystemSharedMemoryStatus",
+        "SystemSharedMemoryRegister",
+        "SystemSharedMemoryUnregister",
+        "CudaSharedMemoryStatus",
+        "CudaSharedMemoryRegister",
+        "CudaSharedMemoryUnregister",
+        "TraceSetting",
+        "LogSettings",
+    }
+)
+OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
+# Requests whose first field is the model's name (`name`).
+MODEL_SCOPED = {
+    "ModelReady": service_pb2.ModelReadyRequest,
+    "ModelMetadata": service_pb2.ModelMetadataRequest,
+    "ModelConfig": service_pb2.ModelConfigRequest,
+}
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {key: value for key, value in context.invocation_metadata() or ()}
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one inference request's metrics are labelled with, filled as it progresses."""
+
+    rpc: str
+    model: str = ""
+    tenant: str = ""
+    klass: str = ""
+    code: str = "OK"
+
+
+class KServeService:
+    """The KServe v2 service in front of an upstream pool; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        directory: TenantDirectory,
+        admission: Admission,
+        scheduler: Scheduler,
+        pool: UpstreamPool,
+        metrics: GatewayMetrics,
+        clock: Clock,
+    ) -> None:
+        self._directory = directory
+        self._admission = admission
+        self._scheduler = scheduler
+        self._pool = pool
+        self._metrics = metrics
+        self._clock = clock
+        self._stream_ids = itertools.count(1)
+
+    # -- registration ---------------------------------------------------------------
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        """A generic handler covering every method of the service (bytes in, bytes out)."""
+        handlers: dict[str, grpc.RpcMethodHandler] = {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(self._model_infer),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self._model_stream_infer),
+            "RepositoryIndex": self._metadata_rpc(
+                "RepositoryIndex", _anyone, _visible_only(service_pb2.RepositoryIndexResponse, "models")
+            ),
+            "ModelStatistics": self._metadata_rpc(
+                "ModelStatistics",
+                self._named_model_if_any,
+                _visible_only(service_pb2.ModelStatisticsResponse, "model_stats"),
+            ),
+        }
+        for method in MODEL_SCOPED:
+            handlers[method] = self._metadata_rpc(method, self._named_model(MODEL_SCOPED[method]))
+        for method in ADMIN_ONLY:
+            handlers[method] = self._metadata_rpc(method, self._admin(method))
+        for method in OPEN:
+            handlers[method] = self._metadata_rpc(method, _anyone)
+        missing = set(METHODS) - set(handlers)
+        if missing:  # a newer tritonclient added an RPC: refuse to start rather than 501 it
+            raise RuntimeError(f"no handler for {SERVICE} methods {sorted(missing)}")
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # -- metadata and admin RPCs -----------------------------------------------------
+
+    def _metadata_rpc(
+        self, method: str, check: _Check, reply_filter: _ReplyFilter | None = None
+    ) -> grpc.RpcMethodHandler:
+        """Identify, `check` the request, forward it, and pass the reply through `reply_filter`."""
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                tenant = self._directory.identify(_metadata(context))
+                check(tenant, request)
+                reply = await self._forward(method, request, context)
+                return reply if reply_filter is None else reply_filter(tenant, reply)
+            except errors.GatewayError as e:
+                await status.abort(context, e)
+                raise
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _admin(self, method: str) -> _Check:
+        return lambda tenant, _request: self._directory.require_admin(tenant, method)
+
+    def _named_model(self, request_type: type[Any]) -> _Check:
+        return lambda tenant, request: self._directory.require_model(tenant, _decode(request_type, request).name)
+
+    def _named_model_if_any(self, tenant: Tenant, request: bytes) -> None:
+        name = _decode(service_pb2.ModelStatisticsRequest, request).name
+        if name:  # empty asks for every model: the reply is filtered instead
+            self._directory.require_model(tenant, name)
+
+    async def _forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        upstream = self._pool.pick()
+        with upstream.lease():
+            try:
+                return await upstream.unary(method)(request, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as e:
+                await self._pass_through(upstream, e, context)
+                raise  # unreachable: abort raises
+
+    async def _pass_through(
+        self, upstream: Upstream, error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext
+    ) -> None:
+        if error.code() is grpc.StatusCode.UNAVAILABLE:
+            # Triton also says UNAVAILABLE for a model that is not ready, so check the
+            # server itself before taking it out of rotation.
+            self._pool.recheck(upstream)
+        await context.abort(error.code(), error.details() or "", error.trailing_metadata() or ())
+
+    # -- inference ---------------------------------------------------------------------
+
+    def _authorize(self, tenant: Tenant, metadata: dict[str, str], model: str) -> str:
+        """The request's class, once the tenant may use `model` and that class."""
+        self._directory.require_model(tenant, model)
+        return self._directory.resolve_class(tenant, metadata.get(PRIORITY_HEADER))
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else self._clock.now() + remaining
+
+    def _dispatch_fragment(self, level: int, deadline: float | None) -> tuple[bytes, float | None]:
+        """The bytes to append (priority, timeout) and the seconds left for the upstream call."""
+        fragment = infer_wire.priority_fragment(level)
+        if deadline is None:
+            return fragment, None
+        remaining = deadline - self._clock.now()
+        if remaining <= 0:
+            raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
+        return fragment + infer_wire.timeout_fragment(int(remaining * 1_000_000)), remaining
+
+    def _record(self, outcome: _Outcome, error: BaseException | None) -> None:
+        if error is not None:
+            row = status.row_of(error)
+            outcome.code = row.code.name
+            if isinstance(error, errors.GatewayError):
+                self._metrics.rejected(row.reason, outcome.tenant, outcome.klass)
+        self._metrics.request_done(outcome.rpc, outcome.model, outcome.tenant, outcome.klass, outcome.code)
+
+    async def _model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        outcome = _Outcome("ModelInfer")
+        try:
+            return await self._infer_once(request, context, outcome)
+        except errors.GatewayError as e:
+            self._record(outcome, e)
+            await status.abort(context, e)
+            raise
+        except grpc.aio.AbortError:
+            self._record(outcome, None)
+            raise
+        except asyncio.CancelledError:
+            outcome.code = grpc.StatusCode.CANCELLED.name
+            self._record(outcome, None)
+            raise
+        except Exception as e:  # a bug: generic INTERNAL to the caller, the cause logged
+            self._record(outcome, e)
+            await status.abort(context, e)
+            raise
+
+    async def _infer_once(
+        self, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
+    ) -> bytes:
+        metadata = _metadata(context)
+        tenant = self._directory.identify(metadata)
+        outcome.tenant = tenant.name
+        model = _peek(request).model_name
+        klass = self._authorize(tenant, metadata, model)
+        outcome.model, outcome.klass = model, klass
+        verdict = self._admission.admit(tenant)
+        if isinstance(verdict, Refused):
+            raise verdict.error()
+        deadline = self._deadline(context)
+        try:
+            async with self._scheduler.slot(
+                tenant=tenant, klass=klass, model=model, deadline=deadline
+            ) as dispatch:
+                self._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
+                fragment, timeout = self._dispatch_fragment(dispatch.priority_level, deadline)
+                upstream = self._pool.pick()
+                with upstream.lease():
+                    started = time.perf_counter()
+                    try:
+                        response = await upstream.unary("ModelInfer")(request + fragment, timeout=timeout)
+                    except grpc.aio.AioRpcError as e:
+                        outcome.code = e.code().name
+                        await self._pass_through(upstream, e, context)
+                        raise
+                    finally:
+                        self._metrics.upstream_latency(upstream.name, model, time.perf_counter() - started)
+        finally:
+            verdict.permit.release()
+        self._record(outcome, None)
+        return response
+
+    async def _model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        await _StreamSession(self, requests, context).run()
+
+
+_Check = Callable[[Tenant, bytes], None]
+_ReplyFilter = Callable[[Tenant, bytes], bytes]
+
+
+def _anyone(_tenant: Tenant, _request: bytes) -> None:
+    """Any authenticated tenant may call."""
+
+
+def _visible_only(response_type: type[Any], field_name: str) -> _ReplyFilter:
+    """Keep only the entries of a repeated field whose `name` the tenant may see."""
+
+    def keep_visible(tenant: Tenant, reply: bytes) -> bytes:
+        message = response_type.FromString(reply)
+        entries = getattr(message, field_name)
+        visible = [e for e in entries if tenant.allows_model(e.name)]
+        del entries[:]
+        entries.extend(visible)
+        return message.SerializeToString()
+
+    return keep_visible
+
+
+def _decode(message_type: type[Any], raw: bytes) -> Any:
+    try:
+        return message_type.FromString(raw)
+    except Exception:
+        raise errors.InvalidArgument(f"malformed {message_type.DESCRIPTOR.name}") from None
+
+
+def _peek(raw: bytes) -> infer_wire.InferRequestHead:
+    try:
+        head = infer_wire.peek_request(raw)
+    except infer_wire.WireError:
+        raise errors.InvalidArgument("malformed ModelInferRequest") from None
+    if not head.model_name:
+        raise errors.InvalidArgument("ModelInferRequest has no model_name")
+    return head
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """A request of a stream that Triton has not finished yet."""
+
+    client_id: str
+    wants_empty_final: bool
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _stream_error(request_id: str, message: str) -> bytes:
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message, infer_response=service_pb2.ModelInferResponse(id=request_id)
+    ).SerializeToString()
+
+
+class _StreamSession:
+    """One ModelStreamInfer call: one upstream stream, each request scheduled on its own.
+
+    Requests get a gateway id on their way up (appended; the caller's id comes back
+    appended to each response), so responses of interleaved requests can be matched to
+    the request holding the dispatch slot. Triton is asked for an empty final response so
+    that a decoupled model's end is always seen; callers that did not ask for it do not
+    get it. A refusal of one request is reported in the stream, as Triton reports a
+    failed request, and the stream goes on.
+    """
+
+    def __init__(
+        self, service: KServeService, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        self._svc = service
+        self._requests = requests
+        self._context = context
+        self._metadata = _metadata(context)
+        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._in_flight: dict[str, _InFlight] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._write_lock = asyncio.Lock()
+        self._upstream_error: grpc.aio.AioRpcError | None = None
+        self._fatal: errors.GatewayError | None = None
+        self._close_on_error = self._metadata.get(GRPC_ERROR_HEADER, "").lower() == "true"
+        self._prefix = f"qg{next(service._stream_ids)}-"
+        self._upstream_name = ""
+        self._ids = itertools.count(1)
+
+    async def run(self) -> None:
+        svc, context = self._svc, self._context
+        try:
+            tenant = svc._directory.identify(self._metadata)
+            upstream = svc._pool.pick()
+        except errors.GatewayError as e:
+            svc._record(_Outcome("ModelStreamInfer"), e)
+            await status.abort(context, e)
+            return
+        forwarded = (
+            ((GRPC_ERROR_HEADER, self._metadata[GRPC_ERROR_HEADER]),) if self._close_on_error else None
+        )
+        self._upstream_name = upstream.name
+        with upstream.lease():
+            call = upstream.stream()(timeout=context.time_remaining(), metadata=forwarded)
+            pump = asyncio.create_task(self._pump(tenant, call))
+            reader = asyncio.create_task(self._read(call))
+            try:
+                while (item := await self._outbox.get()) is not None:
+                    await context.write(item)
+                if self._fatal is not None:
+                    await status.abort(context, self._fatal)
+                if self._upstream_error is not None:
+                    await svc._pass_through(upstream, self._upstream_error, context)
+            finally:
+                # The caller left (or we are done): stop reading it, drop its queued
+                # requests, and cancel the upstream stream so Triton stops generating.
+                for task in (pump, reader, *self._tasks):
+                    task.cancel()
+                call.cancel()
+                await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
+
+    async def _pump(self, tenant: Tenant, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            async for raw in self._requests:
+                task = asyncio.create_task(self._serve(tenant, call, raw))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            # The caller half-closed: once its requests are finished, so do we upstream.
+            while self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            await call.done_writing()
+        except grpc.aio.AioRpcError:
+            pass  # the upstream stream failed; the reader reports it
+
+    async def _serve(self, tenant: Tenant, call: grpc.aio.StreamStreamCall, raw: bytes) -> None:
+        svc = self._svc
+        outcome = _Outcome("ModelStreamInfer", tenant=tenant.name)
+        client_id = ""
+        verdict = None
+        try:
+            head = _peek(raw)
+            client_id = head.id
+            klass = svc._authorize(tenant, self._metadata, head.model_name)
+            outcome.model, outcome.klass = head.model_name, klass
+            verdict = svc._admission.admit(tenant)
+            if isinstance(verdict, Refused):
+                raise verdict.error()
+            deadline = svc._deadline(self._context)
+            async with svc._scheduler.slot(
+                tenant=tenant, klass=klass, model=head.model_name, deadline=deadline
+            ) as dispatch:
+                svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
+                fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)
+                gateway_id = f"{self._prefix}{next(self._ids)}"
+                entry = _InFlight(client_id, head.wants_empty_final)
+                self._in_flight[gateway_id] = entry
+                started = time.perf_counter()
+                try:
+                    async with self._write_lock:
+                        await call.write(
+                            raw
+                            + fragment
+                            + infer_wire.id_fragment(gateway_id)
+                            + infer_wire.empty_final_fragment()
+                        )
+                    await entry.done.wait()
+                finally:
+                    self._in_flight.pop(gateway_id, None)
+                    svc._metrics.upstream_latency(
+                        self._upstream_name, head.model_name, time.perf_counter() - started
+                    )
+        except grpc.aio.AioRpcError:
+            return  # the upstream stream failed under us; the reader reports it
+        except errors.GatewayError as e:
+            svc._record(outcome, e)
+            if self._close_on_error:
+                self._fatal = e
+                self._outbox.put_nowait(None)
+            else:
+                self._outbox.put_nowait(_stream_error(client_id, status.stream_error_message(e)))
+            return
+        finally:
+            if verdict is not None and not isinstance(verdict, Refused):
+                verdict.permit.release()
+        svc._record(outcome, None)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            async for raw in call:
+                head = infer_wire.peek_stream_response(raw)
+                entry = self._in_flight.get(head.id)
+                if entry is None:
+                    self._outbox.put_nowait(raw)
+                    continue
+                if head.is_final:
+                    entry.done.set()
+                    if not (head.has_outputs or head.is_error or entry.wants_empty_final):
+                        continue  # the empty final response we asked for, not the caller
+                self._outbox.put_nowait(raw + infer_wire.stream_response_id_fragment(entry.client_id))
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED:
+                self._upstream_error = e
+        finally:
+            for entry in self._in_flight.values():
+                entry.done.set()
+            self._outbox.put_nowait(None)

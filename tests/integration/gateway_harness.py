@@ -1,0 +1,96 @@
+"""An in-process gateway on port 0, on its own event loop thread, for integration tests.
+
+Its own loop lets tests call it with blocking clients (tritonclient's sync API,
+perf_analyzer) as well as from asyncio tests, without either side starving the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from qosgate.app import Gateway
+from qosgate.config import GatewayConfig, parse_config
+
+T = TypeVar("T")
+
+ACME_KEY = "test-acme-key"
+GLOBEX_KEY = "test-globex-key"
+ADMIN_KEY = "test-admin-key"
+TINY_KEY = "test-tiny-key"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
+    """Tenants for the tests: acme (all models, up to critical), globex (identity only, up to
+    interactive), ops (admin), tiny (one request per 10 s)."""
+    raw: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "upstreams": [{"name": "local", "url": upstream_url}],
+        "tenants": [
+            {
+                "name": "acme",
+                "api_keys": [{"key": ACME_KEY}],
+                "weight": 2,
+                "default_class": "interactive",
+                "max_class": "critical",
+            },
+            {
+                "name": "globex",
+                "api_keys": [{"key": GLOBEX_KEY}],
+                "default_class": "standard",
+                "max_class": "interactive",
+                "models": ["identity"],
+            },
+            {"name": "ops", "admin": True, "api_keys": [{"key": ADMIN_KEY}]},
+            {
+                "name": "tiny",
+                "api_keys": [{"key": TINY_KEY}],
+                "limits": {"requests_per_second": 0.1, "burst": 1},
+            },
+        ],
+    }
+    raw.update(overrides)
+    return parse_config(raw, source="<test config>")
+
+
+class GatewayThread:
+    """A started Gateway whose event loop runs in a daemon thread."""
+
+    def __init__(self, config: GatewayConfig, *, health_check_interval_s: float = 0.2) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)
+        self.gateway = Gateway(config, health_check_interval_s=health_check_interval_s)
+
+    def start(self) -> GatewayThread:
+        self._thread.start()
+        self.run(self.gateway.start())
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run a coroutine on the gateway's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def stop(self) -> None:
+        try:
+            self.run(self.gateway.stop(grace_s=1.0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+    def __enter__(self) -> GatewayThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
