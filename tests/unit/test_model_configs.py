@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 from types import ModuleType
 
 import pytest
+import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from qosgate import paths
+from qosgate.config import load_config
 
 ROOT = paths.project_root()
 TREES = (ROOT / "model_repository", ROOT / "docker")
@@ -181,3 +184,31 @@ def test_minilm_has_one_priority_level_per_gateway_class() -> None:
         p.default_timeout_microseconds for p in ordered
     )
     assert [p.max_queue_size for p in ordered] == sorted(p.max_queue_size for p in ordered)
+
+
+# docker/ cannot be built here (no docker engine): check what can be parsed.
+COMPOSE = ROOT / "docker/docker-compose.yml"
+
+
+def test_compose_runs_triton_gateway_and_redis_from_files_that_exist() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    assert set(compose["services"]) == {"triton", "gateway", "redis"}
+    for service in compose["services"].values():
+        build = service.get("build")
+        if build:
+            assert (COMPOSE.parent / build["context"] / build["dockerfile"]).is_file()
+        for volume in service.get("volumes", []):
+            # `SOURCE:TARGET[:ro]`; with `${VAR:-default}` the default must exist.
+            source = re.match(r"\$\{\w+:-([^}]*)\}|([^:]*)", volume).group(1, 2)
+            path = source[0] or source[1]
+            if path.startswith("."):
+                assert (COMPOSE.parent / path).exists(), volume
+    # Tenants must not reach Triton or Redis around the gateway.
+    assert "ports" not in compose["services"]["triton"]
+    assert "ports" not in compose["services"]["redis"]
+
+
+def test_compose_gateway_config_is_valid() -> None:
+    config = load_config(ROOT / "docker/gateway.yaml")
+    assert [u.url for u in config.upstreams] == ["triton:8001"]
+    assert "llama31_8b_instruct" in config.models and "ensemble" in config.models

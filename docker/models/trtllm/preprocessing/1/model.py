@@ -22,8 +22,9 @@ class TritonPythonModel:
             for key, value in json.loads(args["model_config"])["parameters"].items()
         }
         self._tokenizer = AutoTokenizer.from_pretrained(parameters["tokenizer_dir"])
-        # The gateway renders the chat template, BOS included: adding it twice hurts Llama.
-        self._add_special_tokens = parameters.get("add_special_tokens", "false") == "true"
+        # BOS comes from the tokenizer, as in vLLM, so the gateway's chat template leaves
+        # it out for both engines.
+        self._add_special_tokens = parameters.get("add_special_tokens", "true") == "true"
         # Encoder-style tokenizers end a sequence with SEP rather than EOS.
         eos = self._tokenizer.eos_token_id
         if eos is None:
