@@ -1,7 +1,8 @@
-"""Tenant quotas: request rate with burst, concurrency, tokens per minute, a daily budget."""
+"""Tenant quotas: request rate with burst and concurrency per request; tokens per minute and
+a daily token budget for LLM requests."""
 
 from qosgate.quota.admission import Admission
-from qosgate.quota.bucket import TokenBucket, WindowBudget
+from qosgate.quota.bucket import TokenBucket
 from qosgate.quota.store import InMemoryQuotaStore, QuotaStore
 from qosgate.quota.verdict import Admitted, Permit, Refused, Verdict
 
@@ -14,5 +15,4 @@ __all__ = [
     "Refused",
     "TokenBucket",
     "Verdict",
-    "WindowBudget",
 ]

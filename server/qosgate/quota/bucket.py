@@ -50,34 +50,3 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
 
-
-@dataclass(slots=True)
-class WindowBudget:
-    """A fixed budget per window of `window_s` seconds, the first window starting at `start`.
-
-    Windows follow each other back to back on the injected (monotonic) clock, so a budget of
-    N per day means N per consecutive 24 h since the tenant's first request.
-    """
-
-    limit: float
-    window_s: float
-    start: float
-    used: float = 0.0
-
-    def _roll(self, now: float) -> None:
-        if now >= self.start + self.window_s:
-            elapsed_windows = (now - self.start) // self.window_s
-            self.start += elapsed_windows * self.window_s
-            self.used = 0.0
-
-    def wait_s(self, now: float, amount: float) -> float:
-        """Seconds until `amount` fits (0.0: now); an amount above the limit needs a fresh window."""
-        self._roll(now)
-        if self.used + min(amount, self.limit) <= self.limit + _EPSILON:
-            return 0.0
-        return self.start + self.window_s - now
-
-    def charge(self, now: float, amount: float) -> None:
-        """Add to the used amount; negative amounts refund (never below zero)."""
-        self._roll(now)
-        self.used = max(0.0, self.used + amount)

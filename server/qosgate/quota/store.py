@@ -1,18 +1,20 @@
-"""Where quota state lives: behind a role Protocol so a shared (Redis) store can replace the
-in-process one without touching admission."""
+"""Where request-rate, concurrency and token-rate state lives: behind a role Protocol so a
+shared (Redis) store can replace the in-process one without touching admission.
+
+`daily_token_budget` is not here: it is counted per UTC day against the persistent usage
+ledger by `qosgate.quota.tokens.DailyTokenBudget`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from qosgate.config import LimitsConfig
 from qosgate.errors import QuotaViolation
-from qosgate.quota.bucket import TokenBucket, WindowBudget
+from qosgate.quota.bucket import TokenBucket
 from qosgate.quota.verdict import Refused
 
-DAY_S = 86_400.0
 # When a concurrency slot frees is unknowable here; a short hint keeps polite clients close.
 CONCURRENCY_RETRY_AFTER_S = 0.1
 
@@ -38,7 +40,8 @@ class QuotaStore(Protocol):
         reserved_tokens: int,
         actual_tokens: int | None,
     ) -> None:
-        """End an admitted request: free its concurrency slot, settle its token estimate."""
+        """End an admitted request: free its concurrency slot; when `actual_tokens` is
+        given, return unused reserved tokens (or take the excess, as debt)."""
         ...
 
 
@@ -47,7 +50,6 @@ class _TenantState:
     limits: LimitsConfig
     requests: TokenBucket | None
     tokens: TokenBucket | None
-    budget: WindowBudget | None
     in_flight: int = 0
 
 
@@ -62,13 +64,11 @@ class InMemoryQuotaStore:
         if state is None or state.limits != limits:
             # New tenant or new limits after a reload: fresh buckets, but in-flight requests
             # still count against concurrency.
-            in_flight = state.in_flight if state is not None else 0
             state = _TenantState(
                 limits=limits,
                 requests=_rate_bucket(limits, now),
                 tokens=_token_bucket(limits, now),
-                budget=_daily_budget(limits, now),
-                in_flight=in_flight,
+                in_flight=state.in_flight if state is not None else 0,
             )
             self._states[tenant] = state
         return state
@@ -77,22 +77,16 @@ class InMemoryQuotaStore:
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
     ) -> Refused | None:
         state = self._state(tenant, limits, now)
-        charged_tokens = cost_tokens > 0
-        over_concurrency = limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
-        waits = (
-            state.requests.wait_s(now, 1) if state.requests is not None else 0.0,
-            CONCURRENCY_RETRY_AFTER_S if over_concurrency else 0.0,
-            state.tokens.wait_s(now, cost_tokens) if state.tokens and charged_tokens else 0.0,
-            state.budget.wait_s(now, cost_tokens) if state.budget and charged_tokens else 0.0,
-        )
-        if any(waits):
-            return _refusal(tenant, limits, waits)
-        if state.requests is not None:
-            state.requests.take(now, 1)
-        if state.tokens is not None and cost_tokens > 0:
-            state.tokens.take(now, cost_tokens)
-        if state.budget is not None and cost_tokens > 0:
-            state.budget.charge(now, cost_tokens)
+        requests, tokens = state.requests, state.tokens
+        rate_wait = requests.wait_s(now, 1) if requests is not None else 0.0
+        token_wait = tokens.wait_s(now, cost_tokens) if tokens is not None and cost_tokens else 0.0
+        at_concurrency = limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
+        if rate_wait or token_wait or at_concurrency:
+            return _refusal(tenant, limits, rate_wait, token_wait, at_concurrency)
+        if requests is not None:
+            requests.take(now, 1)
+        if tokens is not None and cost_tokens:
+            tokens.take(now, cost_tokens)
         state.in_flight += 1
         return None
 
@@ -108,44 +102,45 @@ class InMemoryQuotaStore:
         if state is None:
             return
         state.in_flight = max(0, state.in_flight - 1)
-        if actual_tokens is None or state.limits != limits:
+        # After a reload replaced the bucket, the reservation was made in the old one.
+        if actual_tokens is None or state.tokens is None or state.limits != limits:
             return
         extra = actual_tokens - reserved_tokens
-        if state.tokens is not None:
-            if extra > 0:
-                state.tokens.take(now, extra)
-            elif extra < 0:
-                state.tokens.give_back(now, -extra)
-        if state.budget is not None:
-            state.budget.charge(now, extra)
+        if extra > 0:
+            state.tokens.take(now, extra)
+        elif extra < 0:
+            state.tokens.give_back(now, -extra)
 
     def in_flight(self, tenant: str) -> int:
         state = self._states.get(tenant)
         return state.in_flight if state is not None else 0
 
 
-# One description per entry of the `waits` tuple in `acquire`, formatted only on refusal so
-# admission stays free of string formatting.
-_DESCRIPTIONS: tuple[Callable[[LimitsConfig], str], ...] = (
-    lambda limits: (
-        f"requests_per_second limit {limits.requests_per_second:g} "
-        f"(burst {limits.effective_burst()}) exceeded"
-    ),
-    lambda limits: f"max_concurrent limit {limits.max_concurrent} reached",
-    lambda limits: f"tokens_per_minute limit {limits.tokens_per_minute} exceeded",
-    lambda limits: f"daily_token_budget {limits.daily_token_budget} exhausted",
-)
-
-
-def _refusal(tenant: str, limits: LimitsConfig, waits: tuple[float, ...]) -> Refused:
+def _refusal(
+    tenant: str, limits: LimitsConfig, rate_wait: float, token_wait: float, at_concurrency: bool
+) -> Refused:
+    # Descriptions are formatted only on refusal: admission itself stays free of strings.
     subject = f"tenant:{tenant}"
+    violations = []
+    if rate_wait:
+        violations.append(
+            QuotaViolation(
+                subject,
+                f"requests_per_second limit {limits.requests_per_second:g} "
+                f"(burst {limits.effective_burst()}) exceeded",
+            )
+        )
+    if at_concurrency:
+        violations.append(
+            QuotaViolation(subject, f"max_concurrent limit {limits.max_concurrent} reached")
+        )
+    if token_wait:
+        violations.append(
+            QuotaViolation(subject, f"tokens_per_minute limit {limits.tokens_per_minute} exceeded")
+        )
+    concurrency_wait = CONCURRENCY_RETRY_AFTER_S if at_concurrency else 0.0
     return Refused(
-        retry_after_s=max(waits),
-        violations=tuple(
-            QuotaViolation(subject, describe(limits))
-            for wait, describe in zip(waits, _DESCRIPTIONS, strict=True)
-            if wait > 0
-        ),
+        retry_after_s=max(rate_wait, token_wait, concurrency_wait), violations=tuple(violations)
     )
 
 
@@ -160,9 +155,3 @@ def _token_bucket(limits: LimitsConfig, now: float) -> TokenBucket | None:
     if limits.tokens_per_minute is None:
         return None
     return TokenBucket.full(limits.tokens_per_minute / 60.0, limits.tokens_per_minute, now)
-
-
-def _daily_budget(limits: LimitsConfig, now: float) -> WindowBudget | None:
-    if limits.daily_token_budget is None:
-        return None
-    return WindowBudget(limit=limits.daily_token_budget, window_s=DAY_S, start=now)

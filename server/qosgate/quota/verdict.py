@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from qosgate.errors import QuotaExceeded, QuotaViolation
-
-
-class PermitRelease(Protocol):
-    """Frees what a permit holds; called at most once per permit."""
-
-    def __call__(self, reserved_tokens: int, actual_tokens: int | None) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -19,13 +13,13 @@ class Permit:
     """What an admitted request holds until it finishes: a concurrency slot, reserved tokens."""
 
     reserved_tokens: int
-    _release: PermitRelease | None = field(repr=False)
+    _on_release: Callable[[int | None], None] | None = field(repr=False)
 
     def release(self, actual_tokens: int | None = None) -> None:
-        """Free the slot; `actual_tokens` replaces the reserved estimate. Idempotent."""
-        release, self._release = self._release, None
-        if release is not None:
-            release(self.reserved_tokens, actual_tokens)
+        """Free the slot; `actual_tokens` settles the reserved estimate. Idempotent."""
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release(actual_tokens)
 
 
 @dataclass(frozen=True, slots=True)
