@@ -5,22 +5,13 @@ from __future__ import annotations
 import pytest
 
 from qosgate.auth import Tenant
-from qosgate.config import LimitsConfig
 from qosgate.errors import QuotaExceeded
 from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused, TokenBucket
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, make_tenant
 
 
 def tenant(**limits: float) -> Tenant:
-    return Tenant(
-        name="acme",
-        weight=1.0,
-        default_class="standard",
-        max_class="standard",
-        models=("*",),
-        admin=False,
-        limits=LimitsConfig(**limits),
-    )
+    return make_tenant("acme", limits=limits)
 
 
 def test_bucket_starts_full_and_allows_exactly_burst() -> None:

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from qosgate.auth import Tenant
-from qosgate.config import GatewayConfig, LimitsConfig, parse_config
+from qosgate.config import GatewayConfig, parse_config
 from qosgate.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, make_tenant
 
 MODEL = "m"
 
@@ -253,8 +253,13 @@ def test_unknown_class_is_invalid_argument() -> None:
 
 # --- the asyncio wrapper ------------------------------------------------------------------
 
-def tenant(name: str = "acme", weight: float = 1.0) -> Tenant:
-    return Tenant(name, weight, "standard", "critical", ("*",), False, LimitsConfig())
+def tenant(name: str = "acme") -> Tenant:
+    return make_tenant(name)
+
+
+async def enter_and_record(scheduler: Scheduler, name: str, order: list[str]) -> None:
+    async with scheduler.slot(tenant=tenant(name), klass="standard", model=MODEL, deadline=None):
+        order.append(name)
 
 
 async def test_slot_fast_path_and_queued_wait() -> None:
@@ -282,13 +287,9 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     scheduler = Scheduler(config(), FakeClock())
     order: list[str] = []
 
-    async def wait(name: str) -> None:
-        async with scheduler.slot(tenant=tenant(name), klass="standard", model=MODEL, deadline=None):
-            order.append(name)
-
     async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
-        doomed = asyncio.create_task(wait("doomed"))
-        survivor = asyncio.create_task(wait("survivor"))
+        doomed = asyncio.create_task(enter_and_record(scheduler, "doomed", order))
+        survivor = asyncio.create_task(enter_and_record(scheduler, "survivor", order))
         await asyncio.sleep(0)
         doomed.cancel()
         await asyncio.sleep(0)
@@ -301,13 +302,9 @@ async def test_cancelled_in_the_instant_of_its_grant_hands_the_slot_on() -> None
     scheduler = Scheduler(config(), FakeClock())
     order: list[str] = []
 
-    async def wait(name: str) -> None:
-        async with scheduler.slot(tenant=tenant(name), klass="standard", model=MODEL, deadline=None):
-            order.append(name)
-
     async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
-        granted = asyncio.create_task(wait("granted"))
-        after = asyncio.create_task(wait("after"))
+        granted = asyncio.create_task(enter_and_record(scheduler, "granted", order))
+        after = asyncio.create_task(enter_and_record(scheduler, "after", order))
         await asyncio.sleep(0)
     granted.cancel()  # its future is already resolved: it holds the slot, must pass it on
     await asyncio.wait_for(after, 1.0)
