@@ -1,4 +1,5 @@
-"""Token quotas: reservation at admission and reconciliation at completion, on a fake clock."""
+"""Token quotas on fake time: tokens_per_minute reserved and reconciled through Admission
+(cost_tokens, permit.release(actual_tokens)); the persistent daily budget per UTC day."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 
 from qosgate.auth import Tenant
 from qosgate.config import LimitsConfig
+from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused
 from qosgate.quota.tokens import (
-    TokenQuota,
-    TokenRefusal,
-    TokenReservation,
+    BudgetReservation,
+    DailyTokenBudget,
     estimate_prompt_tokens,
     seconds_to_next_utc_day,
     utc_day,
@@ -17,6 +18,13 @@ from qosgate.quota.tokens import (
 from tests.fakes import FakeClock
 
 NOON = 1_767_225_600.0 + 12 * 3600  # 2026-01-01 12:00 UTC
+
+
+def tenant(name: str = "acme", **limits: int) -> Tenant:
+    return Tenant(
+        name=name, weight=1.0, default_class="standard", max_class="standard",
+        models=("*",), admin=False, limits=LimitsConfig(**limits),
+    )
 
 
 class FakeTotals:
@@ -33,18 +41,11 @@ class FakeTotals:
 
 
 class Wall:
-    def __init__(self, clock: FakeClock) -> None:
-        self._clock, self._offset = clock, NOON - clock.now()
+    def __init__(self, now: float = NOON) -> None:
+        self.now = now
 
     def __call__(self) -> float:
-        return self._clock.now() + self._offset
-
-
-def tenant(**limits: int) -> Tenant:
-    return Tenant(
-        name="acme", weight=1.0, default_class="standard", max_class="standard",
-        models=("*",), admin=False, limits=LimitsConfig(**limits),
-    )
+        return self.now
 
 
 @pytest.fixture
@@ -53,125 +54,123 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def totals() -> FakeTotals:
-    return FakeTotals()
+def admission(clock: FakeClock) -> Admission:
+    return Admission(InMemoryQuotaStore(), clock)
 
 
-@pytest.fixture
-def quota(clock: FakeClock, totals: FakeTotals) -> TokenQuota:
-    return TokenQuota(clock=clock, wall_time=Wall(clock), totals=totals)
+# tokens_per_minute: reservation at admission, reconciliation at release
 
 
-def test_no_limits_always_reserves(quota: TokenQuota) -> None:
-    assert isinstance(quota.reserve(tenant(), 10**9), TokenReservation)
-
-
-def test_reservation_takes_the_estimate_and_refuses_with_exact_retry(quota: TokenQuota) -> None:
+def test_reservation_takes_the_estimate_and_refuses_with_exact_retry(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)  # refills 10 tokens/s
-    assert isinstance(quota.reserve(t, 500), TokenReservation)
-    refusal = quota.reserve(t, 200)
-    assert isinstance(refusal, TokenRefusal)
+    assert isinstance(admission.admit(t, cost_tokens=500), Admitted)
+    refusal = admission.admit(t, cost_tokens=200)
+    assert isinstance(refusal, Refused)
     assert refusal.retry_after_s == pytest.approx(10.0)  # 100 left, 100 missing at 10/s
-    assert refusal.violations[0].subject == "tenant:acme/tokens_per_minute"
-    assert "600" in refusal.violations[0].description
+    assert "tokens_per_minute" in refusal.violations[0].description
 
 
-def test_retry_after_is_honest(quota: TokenQuota, clock: FakeClock) -> None:
+def test_retry_after_is_honest(admission: Admission, clock: FakeClock) -> None:
     t = tenant(tokens_per_minute=600)
-    quota.reserve(t, 600)
-    refusal = quota.reserve(t, 150)
-    assert isinstance(refusal, TokenRefusal)
+    admission.admit(t, cost_tokens=600)
+    refusal = admission.admit(t, cost_tokens=150)
+    assert isinstance(refusal, Refused)
     clock.advance(refusal.retry_after_s)
-    assert isinstance(quota.reserve(t, 150), TokenReservation)
+    assert isinstance(admission.admit(t, cost_tokens=150), Admitted)
 
 
-def test_reconcile_returns_unused_tokens(quota: TokenQuota) -> None:
+def test_an_early_stop_costs_only_what_it_used(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    early_stop = quota.reserve(t, 600)  # prompt estimate + max_tokens
-    assert isinstance(early_stop, TokenReservation)
-    assert isinstance(quota.reserve(t, 100), TokenRefusal)
-    quota.reconcile(early_stop, used=150)  # stopped early: 450 come back at once
-    assert isinstance(quota.reserve(t, 450), TokenReservation)
-    assert isinstance(quota.reserve(t, 1), TokenRefusal)
+    early_stop = admission.admit(t, cost_tokens=600)  # prompt estimate + max_tokens
+    assert isinstance(early_stop, Admitted)
+    assert isinstance(admission.admit(t, cost_tokens=100), Refused)
+    early_stop.permit.release(actual_tokens=150)  # 450 come back at once
+    assert isinstance(admission.admit(t, cost_tokens=450), Admitted)
+    assert isinstance(admission.admit(t, cost_tokens=1), Refused)
 
 
-def test_reconcile_charges_an_underestimate_as_debt(quota: TokenQuota) -> None:
+def test_an_underestimate_is_charged_as_debt(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    r = quota.reserve(t, 100)
-    quota.reconcile(r, used=700)  # 600 beyond the reservation: the level is now -100
-    refusal = quota.reserve(t, 60)
-    assert isinstance(refusal, TokenRefusal)
+    verdict = admission.admit(t, cost_tokens=100)
+    assert isinstance(verdict, Admitted)
+    verdict.permit.release(actual_tokens=700)  # 600 beyond the reservation: level -100
+    refusal = admission.admit(t, cost_tokens=60)
+    assert isinstance(refusal, Refused)
     assert refusal.retry_after_s == pytest.approx(16.0)  # from -100 up to 60 at 10/s
 
 
-def test_reconcile_is_bounded_by_capacity(quota: TokenQuota) -> None:
+def test_release_is_idempotent_and_bounded_by_capacity(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    r = quota.reserve(t, 100)
-    quota.reconcile(r, used=0)
-    assert isinstance(quota.reserve(t, 600), TokenReservation)
-    assert isinstance(quota.reserve(t, 1), TokenRefusal)
+    verdict = admission.admit(t, cost_tokens=100)
+    assert isinstance(verdict, Admitted)
+    verdict.permit.release(actual_tokens=0)
+    verdict.permit.release(actual_tokens=0)
+    assert isinstance(admission.admit(t, cost_tokens=600), Admitted)
+    assert isinstance(admission.admit(t, cost_tokens=1), Refused)
 
 
-def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket(quota: TokenQuota) -> None:
-    t = tenant(tokens_per_minute=60)
-    assert isinstance(quota.reserve(t, 100), TokenReservation)
-    refusal = quota.reserve(t, 100)
-    assert isinstance(refusal, TokenRefusal)
-    assert refusal.retry_after_s == pytest.approx(100.0)  # from -40 to the full 60 at 1/s
+def test_a_refusal_takes_nothing(admission: Admission) -> None:
+    t = tenant(tokens_per_minute=600)
+    admission.admit(t, cost_tokens=550)
+    for _ in range(5):
+        assert isinstance(admission.admit(t, cost_tokens=100), Refused)
+    assert isinstance(admission.admit(t, cost_tokens=50), Admitted)
 
 
-def test_daily_budget_counts_ledger_and_in_flight(quota: TokenQuota, totals: FakeTotals) -> None:
+# daily_token_budget: ledger totals + in-flight reservations, per UTC day
+
+
+def test_no_budget_always_reserves() -> None:
+    budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
+    assert isinstance(budget.reserve(tenant(), 10**9), BudgetReservation)
+
+
+def test_daily_budget_counts_ledger_and_in_flight() -> None:
+    totals = FakeTotals()
+    budget = DailyTokenBudget(wall_time=Wall(), totals=totals)
     t = tenant(daily_token_budget=1000)
     day = utc_day(NOON)
     totals.add("acme", day, 700)
-    first = quota.reserve(t, 200)
-    assert isinstance(first, TokenReservation)
-    refusal = quota.reserve(t, 200)  # 700 used + 200 in flight + 200 > 1000
-    assert isinstance(refusal, TokenRefusal)
-    assert refusal.violations[0].subject == "tenant:acme/daily_token_budget"
+    first = budget.reserve(t, 200)
+    assert isinstance(first, BudgetReservation)
+    refusal = budget.reserve(t, 200)  # 700 used + 200 in flight + 200 > 1000
+    assert isinstance(refusal, Refused)
+    assert refusal.violations[0].subject == "tenant:acme"
     assert "100 tokens left" in refusal.violations[0].description
     assert refusal.retry_after_s == pytest.approx(12 * 3600)  # until 00:00 UTC
-    totals.add("acme", day, 50)  # the first request finished: recorded, then reconciled
-    quota.reconcile(first, used=50)
-    assert isinstance(quota.reserve(t, 200), TokenReservation)
+    totals.add("acme", day, 50)  # the first request finished: recorded, then settled
+    budget.settle(first)
+    assert isinstance(budget.reserve(t, 200), BudgetReservation)
 
 
-def test_daily_budget_resets_on_the_next_utc_day(quota: TokenQuota, clock: FakeClock, totals: FakeTotals) -> None:
+def test_daily_budget_resets_on_the_next_utc_day() -> None:
+    totals, wall = FakeTotals(), Wall()
+    budget = DailyTokenBudget(wall_time=wall, totals=totals)
     t = tenant(daily_token_budget=100)
     totals.add("acme", utc_day(NOON), 100)
-    refusal = quota.reserve(t, 1)
-    assert isinstance(refusal, TokenRefusal)
-    clock.advance(refusal.retry_after_s)
-    assert isinstance(quota.reserve(t, 100), TokenReservation)
+    refusal = budget.reserve(t, 1)
+    assert isinstance(refusal, Refused)
+    wall.now += refusal.retry_after_s
+    assert isinstance(budget.reserve(t, 100), BudgetReservation)
 
 
-def test_both_limits_report_both_violations_and_the_longer_wait(quota: TokenQuota) -> None:
-    t = tenant(tokens_per_minute=60, daily_token_budget=100)
-    assert isinstance(quota.reserve(t, 60), TokenReservation)
-    quota_refusal = quota.reserve(t, 50)
-    assert isinstance(quota_refusal, TokenRefusal)
-    assert {v.subject for v in quota_refusal.violations} == {
-        "tenant:acme/daily_token_budget",
-        "tenant:acme/tokens_per_minute",
-    }
-    assert quota_refusal.retry_after_s == pytest.approx(12 * 3600)
+def test_settling_a_reservation_of_yesterday_leaves_today_alone() -> None:
+    wall = Wall(NOON + 12 * 3600 - 1)
+    budget = DailyTokenBudget(wall_time=wall, totals=FakeTotals())
+    t = tenant(daily_token_budget=100)
+    yesterday = budget.reserve(t, 60)
+    assert isinstance(yesterday, BudgetReservation)
+    wall.now += 2
+    today = budget.reserve(t, 100)
+    assert isinstance(today, BudgetReservation)
+    budget.settle(yesterday)
+    assert isinstance(budget.reserve(t, 1), Refused)  # today's 100 still in flight
 
 
-def test_a_refusal_takes_nothing(quota: TokenQuota) -> None:
-    t = tenant(tokens_per_minute=600)
-    quota.reserve(t, 550)
-    for _ in range(5):
-        assert isinstance(quota.reserve(t, 100), TokenRefusal)
-    assert isinstance(quota.reserve(t, 50), TokenReservation)
-
-
-def test_tenants_are_independent(quota: TokenQuota) -> None:
-    quota.reserve(tenant(tokens_per_minute=60), 60)
-    other = Tenant(
-        name="globex", weight=1.0, default_class="standard", max_class="standard",
-        models=("*",), admin=False, limits=LimitsConfig(tokens_per_minute=60),
-    )
-    assert isinstance(quota.reserve(other, 60), TokenReservation)
+def test_tenants_have_separate_budgets() -> None:
+    budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
+    assert isinstance(budget.reserve(tenant(daily_token_budget=10), 10), BudgetReservation)
+    assert isinstance(budget.reserve(tenant("globex", daily_token_budget=10), 10), BudgetReservation)
 
 
 def test_estimate_leans_high_and_utc_helpers() -> None:

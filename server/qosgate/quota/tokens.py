@@ -1,14 +1,13 @@
-"""Token quotas of LLM requests: reserve an estimate at admission, reconcile at completion.
+"""LLM token quotas: estimate at admission, settle with the engine's counts at completion.
 
-Two limits, both per tenant and both optional:
-- `tokens_per_minute`: a TokenBucket of that capacity refilling at tokens_per_minute/60
-  per second. Admission takes the estimate (prompt tokens + max_tokens); completion gives
-  back what was not used (or takes the excess when the prompt estimate was low).
-- `daily_token_budget`: tokens per UTC day. Completed requests count from the persistent
-  usage ledger (so the count survives restarts); requests in flight count with their
-  reservation, so concurrent requests cannot overshoot the budget together.
+- `tokens_per_minute` lives with the other rate limits in `Admission`: the request is
+  admitted with `cost_tokens` = `estimate_prompt_tokens(prompt) + max_tokens`, and
+  `permit.release(actual_tokens)` gives back what the request did not use.
+- `daily_token_budget` is counted here, per UTC day, against the persistent usage ledger
+  (so it survives restarts and kill -9) plus the reservations of requests in flight (so
+  concurrent requests cannot overshoot it together).
 
-Pure arithmetic on injected time; the ledger is reached through `DailyTotals`.
+Pure arithmetic on injected wall time; the ledger is reached through `DailyTotals`.
 """
 
 from __future__ import annotations
@@ -16,18 +15,18 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from qosgate.auth import Tenant
-from qosgate.clock import Clock
 from qosgate.errors import QuotaViolation
-from qosgate.quota.bucket import TokenBucket
+from qosgate.quota.verdict import Refused
 
 # A deliberately high estimate of tokens per UTF-8 byte of prompt: BPE vocabularies average
 # 3.5-4.5 bytes per token on English text and code, fewer on other scripts. Over-reserving
 # only delays a request at the limit; reconciliation returns the difference.
 _BYTES_PER_TOKEN = 3
+_DAY_S = 86_400.0
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -41,7 +40,7 @@ def utc_day(wall_time: float) -> str:
 
 
 def seconds_to_next_utc_day(wall_time: float) -> float:
-    return 86400.0 - (wall_time % 86400.0)
+    return _DAY_S - (wall_time % _DAY_S)
 
 
 class DailyTotals(Protocol):
@@ -51,123 +50,54 @@ class DailyTotals(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class TokenReservation:
-    """Tokens set aside for one admitted request until `TokenQuota.reconcile`."""
+class BudgetReservation:
+    """Tokens set aside in one tenant's daily budget until `DailyTokenBudget.settle`."""
 
     tenant: str
     tokens: int
     day: str
 
 
-@dataclass(frozen=True, slots=True)
-class TokenRefusal:
-    """Not admitted: retrying after `retry_after_s` may succeed."""
+class DailyTokenBudget:
+    """`daily_token_budget` of every tenant, per UTC day."""
 
-    retry_after_s: float
-    violations: tuple[QuotaViolation, ...]
-
-
-@dataclass(slots=True)
-class _TenantTokens:
-    bucket: TokenBucket | None
-    # Reserved by requests still in flight, per UTC day of their admission.
-    in_flight: dict[str, int] = field(default_factory=dict)
-
-
-class TokenQuota:
-    """tokens_per_minute and daily_token_budget for all tenants of one gateway."""
-
-    def __init__(
-        self,
-        *,
-        clock: Clock,
-        wall_time: Callable[[], float],
-        totals: DailyTotals,
-    ) -> None:
-        """`clock` drives the per-minute buckets; `wall_time` (Unix seconds) names the day."""
-        self._clock = clock
+    def __init__(self, *, wall_time: Callable[[], float], totals: DailyTotals) -> None:
+        """`wall_time` gives Unix seconds (it names the day); `totals` is the ledger."""
         self._wall_time = wall_time
         self._totals = totals
-        self._tenants: dict[str, _TenantTokens] = {}
+        # (tenant, day) → tokens reserved by requests admitted that day and not settled.
+        self._in_flight: dict[tuple[str, str], int] = {}
 
-    def _state(self, tenant: Tenant) -> _TenantTokens:
-        state = self._tenants.get(tenant.name)
-        per_minute = tenant.limits.tokens_per_minute
-        if state is None:
-            bucket = None
-            if per_minute is not None:
-                bucket = TokenBucket.full(per_minute / 60.0, float(per_minute), self._clock.now())
-            state = self._tenants[tenant.name] = _TenantTokens(bucket)
-        elif per_minute is not None and (state.bucket is None or state.bucket.capacity != per_minute):
-            # A config reload changed the limit: keep what was spent, apply the new shape.
-            state.bucket = TokenBucket.full(per_minute / 60.0, float(per_minute), self._clock.now())
-        elif per_minute is None:
-            state.bucket = None
-        return state
-
-    def reserve(self, tenant: Tenant, tokens: int) -> TokenReservation | TokenRefusal:
-        """Set `tokens` aside for a request of `tenant`, or say why not and for how long."""
-        state = self._state(tenant)
+    def reserve(self, tenant: Tenant, tokens: int) -> BudgetReservation | Refused:
+        """Set `tokens` aside for a request of `tenant`, or refuse until the next UTC day."""
         wall = self._wall_time()
         day = utc_day(wall)
-        violations: list[QuotaViolation] = []
-        retry_after = 0.0
+        key = (tenant.name, day)
         budget = tenant.limits.daily_token_budget
         if budget is not None:
-            committed = self._totals.tokens_used(tenant.name, day) + state.in_flight.get(day, 0)
+            committed = self._totals.tokens_used(tenant.name, day) + self._in_flight.get(key, 0)
             if committed + tokens > budget:
                 left = max(0, budget - committed)
-                violations.append(
-                    QuotaViolation(
-                        subject=f"tenant:{tenant.name}/daily_token_budget",
-                        description=(
-                            f"daily token budget of {budget} has {left} tokens left today "
-                            f"(UTC); this request reserves {tokens}"
-                        ),
-                    )
+                violation = QuotaViolation(
+                    subject=f"tenant:{tenant.name}",
+                    description=(
+                        f"daily_token_budget {budget} has {left} tokens left today (UTC); "
+                        f"this request reserves {tokens}"
+                    ),
                 )
-                retry_after = max(retry_after, seconds_to_next_utc_day(wall))
-        bucket = state.bucket
-        now = self._clock.now()
-        if bucket is not None:
-            wait = bucket.wait_s(now, tokens)
-            if wait > 0:
-                violations.append(
-                    QuotaViolation(
-                        subject=f"tenant:{tenant.name}/tokens_per_minute",
-                        description=(
-                            f"tokens_per_minute limit of {int(bucket.capacity)} reached; "
-                            f"this request reserves {tokens} tokens"
-                        ),
-                    )
-                )
-                retry_after = max(retry_after, wait)
-        if violations:
-            return TokenRefusal(retry_after, tuple(violations))
-        if bucket is not None:
-            bucket.take(now, tokens)
-        state.in_flight[day] = state.in_flight.get(day, 0) + tokens
-        return TokenReservation(tenant.name, tokens, day)
+                return Refused(seconds_to_next_utc_day(wall), (violation,))
+        self._in_flight[key] = self._in_flight.get(key, 0) + tokens
+        return BudgetReservation(tenant.name, tokens, day)
 
-    def reconcile(self, reservation: TokenReservation, used: int) -> None:
-        """Settle a reservation once the request is over, with the tokens it really used.
+    def settle(self, reservation: BudgetReservation) -> None:
+        """Drop a reservation once the request is over; settle each reservation once.
 
-        Call after the usage was recorded in the ledger, so that the daily count never
-        drops the request in between. Unused tokens return to the bucket; tokens beyond
-        the reservation are taken from it (the bucket may go below zero, delaying the
-        tenant's next requests by exactly that debt).
+        Call after its usage was recorded in the ledger, so the day's count never misses
+        the request in between.
         """
-        state = self._tenants.get(reservation.tenant)
-        if state is None:
-            return
-        left = state.in_flight.get(reservation.day, 0) - reservation.tokens
+        key = (reservation.tenant, reservation.day)
+        left = self._in_flight.get(key, 0) - reservation.tokens
         if left > 0:
-            state.in_flight[reservation.day] = left
+            self._in_flight[key] = left
         else:
-            state.in_flight.pop(reservation.day, None)
-        if state.bucket is not None:
-            now = self._clock.now()
-            if used < reservation.tokens:
-                state.bucket.give_back(now, reservation.tokens - used)
-            elif used > reservation.tokens:
-                state.bucket.take(now, used - reservation.tokens)
+            self._in_flight.pop(key, None)
