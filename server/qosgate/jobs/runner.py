@@ -1,0 +1,215 @@
+"""The batch runner: dispatches pending items through the same path as interactive calls.
+
+Items go through admission, the scheduler (at the `batch` class, so interactive classes
+always win the dispatch window) and the upstream like any request; the runner only keeps
+a bounded number of them in flight, so the scheduler's queues hold a few batch items
+rather than a whole job. Transient failures (shedding, upstream trouble, quota refusals)
+are retried with exponential backoff; other errors are recorded as the item's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from qosgate.auth import Tenant
+from qosgate.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    Internal,
+    PermissionDenied,
+    QuotaExceeded,
+    Unavailable,
+)
+from qosgate.jobs.callbacks import CallbackSender
+from qosgate.jobs.model import ClaimedItem, ItemError, ItemKind, Job, JobStatus
+from qosgate.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+# Errors a later attempt may not hit: the upstream or the gateway was busy or broken.
+TRANSIENT_ERRORS: tuple[type[GatewayError], ...] = (Unavailable, DeadlineExceeded, Internal)
+
+
+class ItemExecutor(Protocol):
+    """Runs one item's request for `tenant` at priority class `klass` through admission,
+    the scheduler and the upstream; returns the serialized response or raises a
+    GatewayError."""
+
+    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how patiently transient failures are retried."""
+
+    max_attempts: int = 5
+    base_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+
+    def delay_s(self, attempt: int, hint_s: float | None) -> float:
+        """Backoff before attempt `attempt + 1`: exponential with jitter, never sooner than
+        the server's own retry hint."""
+        backoff = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return max(hint_s or 0.0, backoff * random.uniform(0.5, 1.0))
+
+
+class JobRunner:
+    """Keeps up to `max_in_flight` items dispatched, taking them from jobs in rotation."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        executor: ItemExecutor,
+        tenant_named: Callable[[str], Tenant | None],
+        *,
+        wall_time: Callable[[], float],
+        callbacks: CallbackSender | None = None,
+        klass: str = "batch",
+        max_in_flight: int = 8,
+        retry: RetryPolicy = RetryPolicy(),
+        idle_poll_s: float = 5.0,
+        expiry_interval_s: float = 60.0,
+    ) -> None:
+        self._store = store
+        self._executor = executor
+        self._tenant_named = tenant_named
+        self._wall_time = wall_time
+        self._callbacks = callbacks
+        self._klass = klass
+        self._max_in_flight = max_in_flight
+        self._retry = retry
+        self._idle_poll_s = idle_poll_s
+        self._expiry_interval_s = expiry_interval_s
+        self._in_flight: dict[asyncio.Task[None], ClaimedItem] = {}
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._rotation = 0
+
+    def notify(self) -> None:
+        """New work exists (a job was sealed): look for it now rather than at the next poll."""
+        self._wake.set()
+
+    def cancel(self, tenant: str, job_id: str) -> Job:
+        """Cancel a job: nothing more is dispatched and its in-flight items are stopped."""
+        job = self._store.cancel_job(tenant, job_id)
+        for task, item in list(self._in_flight.items()):
+            if item.job_id == job_id:
+                task.cancel()
+        return job
+
+    async def run(self) -> None:
+        """Dispatch until cancelled. Items in flight at shutdown stay `running` in the store
+        and are re-run by the next start, exactly as after a kill -9."""
+        requeued = self._store.recover()
+        if requeued:
+            log.info("batch runner: %d item(s) re-queued after restart", requeued)
+        for job in self._store.callbacks_due():
+            self._send_callback(job)
+        next_expiry = 0.0
+        try:
+            while True:
+                if self._wall_time() >= next_expiry:
+                    self._store.expire()
+                    next_expiry = self._wall_time() + self._expiry_interval_s
+                self._fill()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self._sleep_s())
+                except TimeoutError:
+                    pass
+        finally:
+            tasks = [*self._in_flight, *self._side_tasks]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _sleep_s(self) -> float:
+        if len(self._in_flight) >= self._max_in_flight:
+            return self._idle_poll_s  # a finishing item wakes the loop
+        retry_at = self._store.next_retry_at()
+        if retry_at is None:
+            return self._idle_poll_s
+        return min(self._idle_poll_s, max(0.0, retry_at - self._wall_time()))
+
+    def _fill(self) -> None:
+        while len(self._in_flight) < self._max_in_flight:
+            jobs = self._store.jobs_with_work()
+            if not jobs:
+                return
+            claimed = False
+            # One item per job per pass, starting where the last pass stopped, so one huge
+            # job does not hold back the others.
+            start = self._rotation % len(jobs)
+            for job_id in jobs[start:] + jobs[:start]:
+                if len(self._in_flight) >= self._max_in_flight:
+                    break
+                item = self._store.claim(job_id)
+                if item is None:
+                    continue
+                claimed = True
+                self._rotation += 1
+                task = asyncio.create_task(self._run_item(item), name=f"batch item {item.custom_id}")
+                self._in_flight[task] = item
+            if not claimed:
+                return
+
+    async def _run_item(self, item: ClaimedItem) -> None:
+        finished: Job | None = None
+        try:
+            finished = await self._attempt(item)
+        finally:
+            self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._wake.set()
+        if finished is not None:
+            log.info("batch %s %s: %s", finished.id, finished.status.value, finished.counts)
+            if finished.callback_url and self._callbacks is not None:
+                self._send_callback(finished)
+
+    async def _attempt(self, item: ClaimedItem) -> Job | None:
+        tenant = self._tenant_named(item.tenant)
+        try:
+            if tenant is None:
+                raise PermissionDenied(f"tenant {item.tenant!r} no longer exists")
+            result = await self._executor.execute(tenant, item.kind, item.payload, self._klass)
+        except asyncio.CancelledError:
+            if self._store.job_status(item.job_id) is JobStatus.CANCELLING:
+                return self._store.abandon(item)
+            raise  # shutdown: the item stays running and is re-run after restart
+        except GatewayError as error:
+            return self._after_error(item, error)
+        except Exception:
+            log.exception("batch item %s of %s failed unexpectedly", item.custom_id, item.job_id)
+            return self._after_error(item, Internal("internal error"))
+        return self._store.succeed(item, result)
+
+    def _after_error(self, item: ClaimedItem, error: GatewayError) -> Job | None:
+        if isinstance(error, QuotaExceeded):
+            # The tenant's own limits (its interactive traffic, its daily budget) hold the
+            # job back: wait as told, for as long as it takes, without using up attempts.
+            return self._store.retry_later(
+                item, self._wall_time() + error.retry_after_s, count_attempt=False
+            )
+        transient = isinstance(error, TRANSIENT_ERRORS)
+        if transient and item.attempt < self._retry.max_attempts:
+            hint = getattr(error, "retry_after_s", None)
+            delay = self._retry.delay_s(item.attempt, hint)
+            return self._store.retry_later(item, self._wall_time() + delay)
+        return self._store.fail(item, ItemError(type(error).__name__, error.message))
+
+    def _send_callback(self, job: Job) -> None:
+        if self._callbacks is None:
+            return
+        sender = self._callbacks
+
+        async def deliver() -> None:
+            if await sender.send(job):
+                self._store.callback_made(job.id)
+
+        task = asyncio.create_task(deliver(), name=f"batch callback {job.id}")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)

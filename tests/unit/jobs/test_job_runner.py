@@ -1,0 +1,204 @@
+"""JobRunner with an in-process fake executor: bounded dispatch, retries of transient
+errors, permanent failures recorded, cancel stopping in-flight items, restart re-running
+what was in flight, callbacks made once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from qosgate.auth import Tenant
+from qosgate.config import LimitsConfig
+from qosgate.errors import InvalidArgument, QuotaExceeded, Unavailable
+from qosgate.jobs.model import ItemKind, Job, JobLimits, JobStatus, NewItem
+from qosgate.jobs.runner import JobRunner, RetryPolicy
+from qosgate.jobs.store import JobStore
+
+LIMITS = JobLimits(max_queued_items=1000, retention_s=3600.0)
+FAST_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.02)
+TENANT = Tenant(
+    name="a",
+    weight=1.0,
+    default_class="standard",
+    max_class="standard",
+    models=("*",),
+    admin=False,
+    limits=LimitsConfig(),
+)
+
+
+class ScriptedExecutor:
+    """Answers `payload.upper()`; payloads starting with a scripted prefix misbehave."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.calls: list[tuple[bytes, str]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        # How many more times the payloads "flaky" and "quota" are refused.
+        self.refusals_left = {b"flaky": 2, b"quota": 2}
+
+    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str) -> bytes:
+        self.calls.append((payload, klass))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if payload == b"flaky" and self.refusals_left[payload] > 0:
+                self.refusals_left[payload] -= 1
+                raise Unavailable("shed", retry_after_s=0.01)
+            if payload.startswith(b"down"):
+                raise Unavailable("upstream down")
+            if payload.startswith(b"bad"):
+                raise InvalidArgument("no such model")
+            if payload == b"quota" and self.refusals_left[payload] > 0:
+                self.refusals_left[payload] -= 1
+                raise QuotaExceeded("tokens", retry_after_s=0.01, violations=())
+            return payload.upper()
+        finally:
+            self.in_flight -= 1
+
+
+class RecordingCallbacks:
+    def __init__(self) -> None:
+        self.sent: list[Job] = []
+
+    async def send(self, job: Job) -> bool:
+        self.sent.append(job)
+        return True
+
+
+def submit(store: JobStore, payloads: list[bytes], callback_url: str = "") -> str:
+    job_id = store.begin_job(
+        "a", model="m", description="", callback_url=callback_url, limits=LIMITS
+    )
+    store.add_items(
+        job_id,
+        [NewItem(f"id{n}", ItemKind.GENERATE, p) for n, p in enumerate(payloads)],
+        limits=LIMITS,
+    )
+    store.seal_job(job_id)
+    return job_id
+
+
+@asynccontextmanager
+async def running(runner: JobRunner) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(runner.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def until_finished(store: JobStore, job_id: str, timeout_s: float = 10.0) -> Job:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = store.get_job("a", job_id)
+        if job.status.finished:
+            return job
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job not finished: {store.get_job('a', job_id)}")
+
+
+def make(tmp_path: Path, executor: ScriptedExecutor, **kwargs: object) -> tuple[JobStore, JobRunner]:
+    store = JobStore(tmp_path / "jobs.db", wall_time=time.time)
+    runner = JobRunner(
+        store,
+        executor,
+        {"a": TENANT}.get,
+        wall_time=time.time,
+        retry=FAST_RETRY,
+        idle_poll_s=0.05,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return store, runner
+
+
+async def test_items_run_at_batch_class_within_the_in_flight_bound(tmp_path: Path) -> None:
+    executor = ScriptedExecutor(delay_s=0.01)
+    store, runner = make(tmp_path, executor, max_in_flight=3)
+    job_id = submit(store, [f"p{n}".encode() for n in range(20)])
+    async with running(runner):
+        runner.notify()
+        job = await until_finished(store, job_id)
+    assert job.status is JobStatus.COMPLETED and job.counts.succeeded == 20
+    assert executor.max_in_flight == 3
+    assert {klass for _, klass in executor.calls} == {"batch"}
+    results = store.results("a", job_id, offset=0, limit=100)
+    assert sorted(r.custom_id for r in results) == sorted(f"id{n}" for n in range(20))
+    assert {r.payload for r in results} == {f"P{n}".encode() for n in range(20)}
+
+
+async def test_transient_errors_retry_and_permanent_ones_are_recorded(tmp_path: Path) -> None:
+    executor = ScriptedExecutor()
+    store, runner = make(tmp_path, executor)
+    job_id = submit(store, [b"flaky", b"bad", b"down", b"quota"])
+    async with running(runner):
+        job = await until_finished(store, job_id)
+    by_id = {r.custom_id: r for r in store.results("a", job_id, offset=0, limit=10)}
+    assert by_id["id0"].payload == b"FLAKY" and by_id["id0"].attempts == 3
+    assert by_id["id1"].error is not None and by_id["id1"].error.kind == "InvalidArgument"
+    assert by_id["id1"].attempts == 1  # permanent: not retried
+    assert by_id["id2"].error is not None and by_id["id2"].error.kind == "Unavailable"
+    assert by_id["id2"].attempts == FAST_RETRY.max_attempts
+    assert job.counts.succeeded == 2 and job.counts.failed == 2
+
+
+async def test_quota_refusals_wait_without_using_attempts(tmp_path: Path) -> None:
+    executor = ScriptedExecutor()
+    executor.refusals_left[b"quota"] = 10  # more refusals than max_attempts
+    store, runner = make(tmp_path, executor)
+    job_id = submit(store, [b"quota"])
+    async with running(runner):
+        await until_finished(store, job_id)
+    (result,) = store.results("a", job_id, offset=0, limit=10)
+    assert result.payload == b"QUOTA" and result.attempts == 1
+
+
+async def test_cancel_stops_in_flight_items_quickly(tmp_path: Path) -> None:
+    executor = ScriptedExecutor(delay_s=30.0)
+    store, runner = make(tmp_path, executor, max_in_flight=2)
+    job_id = submit(store, [f"p{n}".encode() for n in range(10)])
+    async with running(runner):
+        while executor.in_flight < 2:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        runner.cancel("a", job_id)
+        job = await until_finished(store, job_id, timeout_s=1.0)
+        assert time.monotonic() - started < 1.0
+    assert job.status is JobStatus.CANCELLED and job.counts.cancelled == 10
+    assert len(executor.calls) == 2
+
+
+async def test_restart_reruns_items_that_were_in_flight(tmp_path: Path) -> None:
+    slow = ScriptedExecutor(delay_s=30.0)
+    store, runner = make(tmp_path, slow, max_in_flight=2)
+    job_id = submit(store, [f"p{n}".encode() for n in range(4)])
+    async with running(runner):
+        while slow.in_flight < 2:
+            await asyncio.sleep(0.01)
+    # Shutdown mid-item behaves like a crash: the two items stay running in the store.
+    assert store.get_job("a", job_id).counts.running == 2
+    fast = ScriptedExecutor()
+    store2, runner2 = make(tmp_path, fast)
+    async with running(runner2):
+        job = await until_finished(store2, job_id)
+    assert job.counts.succeeded == 4
+    results = store2.results("a", job_id, offset=0, limit=10)
+    assert sorted(r.custom_id for r in results) == ["id0", "id1", "id2", "id3"]
+
+
+async def test_callback_is_made_once_when_the_job_ends(tmp_path: Path) -> None:
+    callbacks = RecordingCallbacks()
+    store, runner = make(tmp_path, ScriptedExecutor(), callbacks=callbacks)
+    job_id = submit(store, [b"x"], callback_url="http://hooks.local/done")
+    async with running(runner):
+        await until_finished(store, job_id)
+        while not callbacks.sent:
+            await asyncio.sleep(0.01)
+    assert [j.id for j in callbacks.sent] == [job_id]
+    assert store.callbacks_due() == []
