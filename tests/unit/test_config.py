@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
 from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.cli import main
-from qosgate.config import ConfigError, GatewayConfig, load_config, parse_config
+from qosgate.config import (
+    ApiKeyConfig,
+    ConfigError,
+    GatewayConfig,
+    LimitsConfig,
+    ModelPolicy,
+    SchedulerConfig,
+    TenantConfig,
+    UpstreamConfig,
+    load_config,
+    parse_config,
+)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "config"
 CLASSES = "(classes: critical, interactive, standard, batch)"
@@ -155,3 +167,13 @@ def test_check_config_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(bad)]) != 0
     err = capsys.readouterr().err
     assert err == f"{bad}: tenants[1].limits.burst: Input should be greater than or equal to 1\n"
+
+
+def test_readme_documents_every_config_key() -> None:
+    readme = (paths.project_root() / "README.md").read_text()
+    section = readme.split("<!-- section: config -->")[1].split("<!-- /section: config -->")[0]
+    documented = set(re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE))
+    models = [GatewayConfig, UpstreamConfig, SchedulerConfig, ModelPolicy, TenantConfig, LimitsConfig]
+    keys = {name for model in models for name in model.model_fields}
+    keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
+    assert keys - documented == set()
