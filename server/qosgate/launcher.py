@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,20 +68,33 @@ def assemble_backends(target: pathlib.Path) -> pathlib.Path:
     stub = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise TritonStartError(f"nvidia-pytriton has no python backend stub for Python {version}")
-    links = {
+    # Triton refuses a backend library whose real path lies outside the backend
+    # directory ("escapes backend directory"), so the python backend is copied.
+    copies = {
         target / "python" / "libtriton_python.so": server_dir / "backends/python/libtriton_python.so",
         target / "python" / "triton_python_backend_utils.py": server_dir
         / "backends/python/triton_python_backend_utils.py",
         target / "python" / "triton_python_backend_stub": stub,
-        target / "vllm" / "model.py": paths.project_root() / "backends" / "vllm" / "model.py",
     }
-    for link, source in links.items():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if link.is_symlink() and link.resolve() == source.resolve():
+    for copy, source in copies.items():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if copy.is_file() and not copy.is_symlink() and _same_file_content(copy, source):
             continue
+        copy.unlink(missing_ok=True)
+        shutil.copy2(source, copy)
+    # Our own backend stays a link, so an edited model.py is live at the next load.
+    link = target / "vllm" / "model.py"
+    source = paths.project_root() / "backends" / "vllm" / "model.py"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() and link.resolve() == source.resolve()):
         link.unlink(missing_ok=True)
         link.symlink_to(source)
     return target
+
+
+def _same_file_content(a: pathlib.Path, b: pathlib.Path) -> bool:
+    sa, sb = a.stat(), b.stat()
+    return sa.st_size == sb.st_size and int(sa.st_mtime) == int(sb.st_mtime)
 
 
 def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
