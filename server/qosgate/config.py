@@ -179,6 +179,45 @@ class ModelPolicy(_Frozen):
         return source
 
 
+class BatchTenantLimits(_Frozen):
+    """One tenant's batch limits, overriding the defaults in `batch`."""
+
+    max_queued_items: int | None = Field(default=None, ge=1)
+    """Items this tenant may have waiting or running over all its jobs."""
+    retention_hours: float | None = Field(default=None, gt=0)
+    """How long a finished job and its results are kept."""
+
+
+class BatchConfig(_Frozen):
+    """Batch jobs (qosgate.v1.BatchService): storage, dispatch, retries and limits."""
+
+    db: str | None = None
+    """SQLite file of jobs, items and results; relative paths are relative to the working
+    directory; default `<project>/.cache/batch.sqlite3`."""
+    priority_class: str | None = None
+    """Class that batch items are scheduled at; default: the lowest class, so every other
+    class wins the dispatch windows."""
+    max_in_flight: int = Field(default=8, ge=1)
+    """Batch items handed to the scheduler at a time (over all jobs); enough to fill the
+    dispatch windows when they are idle, few enough to keep the class queue short."""
+    max_attempts: int = Field(default=5, ge=1)
+    """Dispatches of an item before a transient error (UNAVAILABLE, DEADLINE_EXCEEDED,
+    INTERNAL) becomes its final result; quota refusals do not count."""
+    retry_base_delay_s: float = Field(default=0.5, gt=0)
+    """First retry backoff; it doubles per attempt up to `retry_max_delay_s`."""
+    retry_max_delay_s: float = Field(default=30.0, gt=0)
+    """Longest retry backoff."""
+    max_queued_items: int = Field(default=10_000, ge=1)
+    """Default per-tenant limit on items waiting or running over all its jobs."""
+    retention_hours: float = Field(default=168.0, gt=0)
+    """Default time a finished job and its results are kept."""
+    tenants: dict[str, BatchTenantLimits] = Field(default_factory=dict)
+    """Per-tenant overrides, by tenant name."""
+    callback_allowlist: list[str] = Field(default_factory=list)
+    """URL prefixes completion callbacks may use (scheme, host:port and path prefix must
+    match); empty: callbacks are refused."""
+
+
 class GatewayConfig(_Frozen):
     """The whole gateway configuration (see README, section `config`)."""
 
@@ -206,6 +245,8 @@ class GatewayConfig(_Frozen):
     usage_db: str | None = None
     """SQLite file of the token usage ledger (daily budgets, GetUsage); relative paths are
     relative to the working directory; default `<project>/.cache/usage.sqlite3`."""
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    """Batch jobs."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
@@ -223,7 +264,9 @@ class GatewayConfig(_Frozen):
             levels.setdefault(name, i)
 
         def unknown(path: str, klass: str) -> _FieldProblem:
-            return _FieldProblem(path, f"unknown class {klass!r} (classes: {', '.join(self.classes)})")
+            return _FieldProblem(
+                path, f"unknown class {klass!r} (classes: {', '.join(self.classes)})"
+            )
 
         if self.default_class is not None and self.default_class not in levels:
             yield unknown("default_class", self.default_class)
@@ -240,7 +283,9 @@ class GatewayConfig(_Frozen):
             elif not 0 <= share < 1:
                 yield _FieldProblem(f"scheduler.floor_share_by_class.{klass}", "must be in [0, 1)")
         if sum(self.floor_share(c) for c in self.classes) >= 1:
-            yield _FieldProblem("scheduler", "floor shares of the lower classes must sum to less than 1")
+            yield _FieldProblem(
+                "scheduler", "floor shares of the lower classes must sum to less than 1"
+            )
         for klass, length in sched.max_queue_length_by_class.items():
             if klass not in levels:
                 yield unknown(f"scheduler.max_queue_length_by_class.{klass}", klass)
@@ -285,10 +330,20 @@ class GatewayConfig(_Frozen):
                 if not pattern:
                     yield _FieldProblem(f"{where}.models[{j}]", "model pattern must not be empty")
 
+        if self.batch.priority_class is not None and self.batch.priority_class not in levels:
+            yield unknown("batch.priority_class", self.batch.priority_class)
+        for name in self.batch.tenants:
+            if name not in names:
+                yield _FieldProblem(f"batch.tenants.{name}", f"unknown tenant {name!r}")
+
     def gateway_default_class(self) -> str:
         if self.default_class is not None:
             return self.default_class
         return "standard" if "standard" in self.classes else self.classes[-1]
+
+    def batch_class(self) -> str:
+        """The class batch items are scheduled at."""
+        return self.batch.priority_class or self.classes[-1]
 
     def class_level(self, klass: str) -> int:
         """Triton priority level of a class: 1 for the highest. Raises KeyError if unknown."""

@@ -11,23 +11,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from qosgate.auth import Tenant
-from qosgate.config import LimitsConfig
 from qosgate.errors import InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.jobs.model import ItemKind, Job, JobLimits, JobStatus, NewItem
 from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.store import JobStore
+from tests.fakes import make_tenant
 
 LIMITS = JobLimits(max_queued_items=1000, retention_s=3600.0)
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.02)
-TENANT = Tenant(
-    name="a",
-    weight=1.0,
-    default_class="standard",
-    max_class="standard",
-    models=("*",),
-    admin=False,
-    limits=LimitsConfig(),
-)
+TENANT = make_tenant("a")
 
 
 class ScriptedExecutor:
