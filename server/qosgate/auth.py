@@ -76,7 +76,9 @@ class TenantDirectory:
         """
         key = _presented_key(metadata)
         if not key:
-            raise Unauthenticated("missing API key: send 'authorization: Bearer <key>' or 'x-api-key'")
+            raise Unauthenticated(
+                "missing API key: send 'authorization: Bearer <key>' or 'x-api-key'"
+            )
         digest = hashlib.sha256(key.encode()).digest()
         # Keys are compared as SHA-256 digests: the lookup's timing can only reveal how a
         # guess's digest relates to stored digests, which says nothing usable about any key,
@@ -117,4 +119,3 @@ def _presented_key(metadata: Mapping[str, str]) -> str:
             return authorization[len(_BEARER) :].strip()
         return ""
     return metadata.get("x-api-key", "").strip()
-

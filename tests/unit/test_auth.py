@@ -6,7 +6,6 @@ import hashlib
 import logging
 
 import pytest
-
 from qosgate.auth import TenantDirectory
 from qosgate.config import parse_config
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -66,7 +65,9 @@ def test_identify(directory: TenantDirectory, metadata: dict[str, str], tenant: 
         ({"authorization": "Bearer nope", "x-api-key": "acme-1"}, "invalid API key"),
     ],
 )
-def test_identify_refuses(directory: TenantDirectory, metadata: dict[str, str], message: str) -> None:
+def test_identify_refuses(
+    directory: TenantDirectory, metadata: dict[str, str], message: str
+) -> None:
     with pytest.raises(Unauthenticated, match=message):
         directory.identify(metadata)
 

@@ -6,7 +6,7 @@ import pathlib
 import re
 
 import pytest
-
+from pydantic import BaseModel
 from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.cli import main
@@ -28,7 +28,9 @@ CLASSES = "(classes: critical, interactive, standard, batch)"
 
 # One fixture per config error, checked against the exact message (file: key path: reason).
 EXPECTED_ERRORS = {
-    "admin_not_bool": "tenants[0].admin: Input should be a valid boolean, unable to interpret input",
+    "admin_not_bool": (
+        "tenants[0].admin: Input should be a valid boolean, unable to interpret input"
+    ),
     "api_key_bad_sha256": "tenants[0].api_keys[0].sha256: must be 64 lower-case hex digits",
     "api_key_both_forms": "tenants[0].api_keys[0]: set exactly one of sha256, key",
     "api_key_empty": "tenants[0].api_keys[0].key: must not be empty",
@@ -45,7 +47,9 @@ EXPECTED_ERRORS = {
     "duplicate_tenant": "tenants[1].name: duplicate tenant 'acme'",
     "duplicate_upstream": "upstreams[1].name: duplicate upstream 'local'",
     "empty_classes": "classes: List should have at least 1 item after validation, not 0",
-    "floor_shares_too_large": "scheduler: floor shares of the lower classes must sum to less than 1",
+    "floor_shares_too_large": (
+        "scheduler: floor shares of the lower classes must sum to less than 1"
+    ),
     "floor_unknown_class": f"scheduler.floor_share_by_class.gold: unknown class 'gold' {CLASSES}",
     "missing_tenant_name": "tenants[0].name: Field required",
     "not_a_mapping": "(root): expected a mapping, got list",
@@ -162,7 +166,10 @@ def test_check_config_command(capsys: pytest.CaptureFixture[str]) -> None:
     demo = paths.project_root() / "config" / "demo.yaml"
     assert main(["check-config", str(demo)]) == 0
     out = capsys.readouterr().out
-    assert out == f"{demo}: ok: 3 tenants (1 admin), 4 classes, 2 model policies, 1 upstreams, listen 127.0.0.1:50051\n"
+    summary = (
+        "3 tenants (1 admin), 4 classes, 2 model policies, 1 upstreams, listen 127.0.0.1:50051"
+    )
+    assert out == f"{demo}: ok: {summary}\n"
     bad = FIXTURES / "errors" / "burst_zero.yaml"
     assert main(["check-config", str(bad)]) != 0
     err = capsys.readouterr().err
@@ -173,7 +180,14 @@ def test_readme_documents_every_config_key() -> None:
     readme = (paths.project_root() / "README.md").read_text()
     section = readme.split("<!-- section: config -->")[1].split("<!-- /section: config -->")[0]
     documented = set(re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE))
-    models = [GatewayConfig, UpstreamConfig, SchedulerConfig, ModelPolicy, TenantConfig, LimitsConfig]
+    models: list[type[BaseModel]] = [
+        GatewayConfig,
+        UpstreamConfig,
+        SchedulerConfig,
+        ModelPolicy,
+        TenantConfig,
+        LimitsConfig,
+    ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
     assert keys - documented == set()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from qosgate.auth import Tenant
 from qosgate.errors import QuotaExceeded
 from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused, TokenBucket
+
 from tests.fakes import FakeClock, make_tenant
 
 

@@ -7,11 +7,11 @@ from collections import Counter
 from typing import Any
 
 import pytest
-
 from qosgate.auth import Tenant
 from qosgate.config import GatewayConfig, parse_config
 from qosgate.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
+
 from tests.fakes import FakeClock, make_tenant
 
 MODEL = "m"
@@ -102,7 +102,8 @@ def test_each_lower_class_gets_its_floor_alongside_the_others() -> None:
 
 
 @pytest.mark.parametrize(
-    "weights", [{"a": 2.0, "b": 1.0}, {"a": 3.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 5.0}]
+    "weights",
+    [{"a": 2.0, "b": 1.0}, {"a": 3.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 1.0, "c": 5.0}],
 )
 def test_weighted_fair_share_within_five_percent(weights: dict[str, float]) -> None:
     h = Harness(config(max_queue_length=10_000))
@@ -167,7 +168,7 @@ def test_shedding_takes_the_lowest_sheddable_class_first_never_critical() -> Non
     # Lowest first, newest first within it.
     assert shed == [batch[1], batch[0], standard[1]]
     assert all(w.state is WaiterState.DROPPED and isinstance(w.error, Unavailable) for w in shed)
-    assert shed[0].error is not None and shed[0].error.retry_after_s == 1.0
+    assert isinstance(shed[0].error, Unavailable) and shed[0].error.retry_after_s == 1.0
     for _ in range(4):
         h.core.submit(Waiter("ops", 1.0, "critical", MODEL, None, 0.0), 0.0)
     # Only critical left queued: a critical arrival is refused, nothing critical is shed.
@@ -253,6 +254,7 @@ def test_unknown_class_is_invalid_argument() -> None:
 
 # --- the asyncio wrapper ------------------------------------------------------------------
 
+
 def tenant(name: str = "acme") -> Tenant:
     return make_tenant(name)
 
@@ -268,7 +270,9 @@ async def test_slot_fast_path_and_queued_wait() -> None:
     entered: list[float] = []
 
     async def second() -> None:
-        async with scheduler.slot(tenant=tenant(), klass="critical", model=MODEL, deadline=None) as d:
+        async with scheduler.slot(
+            tenant=tenant(), klass="critical", model=MODEL, deadline=None
+        ) as d:
             entered.append(d.queue_wait_s)
             assert d.priority_level == 1
 
@@ -335,7 +339,9 @@ async def test_shed_waiter_raises_unavailable() -> None:
         victim = asyncio.create_task(batch())
         await asyncio.sleep(0)
         vip = asyncio.create_task(
-            scheduler.slot(tenant=tenant(), klass="critical", model=MODEL, deadline=None).__aenter__()
+            scheduler.slot(
+                tenant=tenant(), klass="critical", model=MODEL, deadline=None
+            ).__aenter__()
         )
         with pytest.raises(Unavailable, match="shed under overload"):
             await victim

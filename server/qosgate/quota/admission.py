@@ -29,7 +29,9 @@ class Admission:
         refused = self._store.acquire(tenant.name, limits, self._clock.now(), cost_tokens)
         if refused is not None:
             return refused
-        return Admitted(Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens)))
+        return Admitted(
+            Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens))
+        )
 
     def _release(
         self, tenant: str, limits: LimitsConfig, reserved_tokens: int, actual_tokens: int | None

@@ -49,4 +49,3 @@ class TokenBucket:
         """Return tokens that were taken but not used (e.g. an over-estimated cost)."""
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
-

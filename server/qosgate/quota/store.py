@@ -80,7 +80,9 @@ class InMemoryQuotaStore:
         requests, tokens = state.requests, state.tokens
         rate_wait = requests.wait_s(now, 1) if requests is not None else 0.0
         token_wait = tokens.wait_s(now, cost_tokens) if tokens is not None and cost_tokens else 0.0
-        at_concurrency = limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
+        at_concurrency = (
+            limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
+        )
         if rate_wait or token_wait or at_concurrency:
             return _refusal(tenant, limits, rate_wait, token_wait, at_concurrency)
         if requests is not None:

@@ -55,7 +55,9 @@ class Scheduler:
         waiter.arrived_at = now
         level = core.level(waiter.klass) + 1
         self._settle(core.submit(waiter, now))
-        if waiter.state is WaiterState.DISPATCHED:
+        # Not narrowed by an `if` on the state: the await below changes it behind mypy's back.
+        dispatched_at_once = waiter.state is WaiterState.DISPATCHED
+        if dispatched_at_once:
             return Dispatch(queue_wait_s=0.0, priority_level=level)
         loop = asyncio.get_running_loop()
         future = waiter.future = loop.create_future()

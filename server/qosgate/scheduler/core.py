@@ -233,7 +233,9 @@ class SchedulingCore:
         klass = model.classes[level]
         retry = self._config.scheduler.shed_retry_after_s
         if klass.live >= klass.max_length:
-            raise Unavailable(f"queue of class {klass.name!r} for model {waiter.model!r} is full", retry)
+            raise Unavailable(
+                f"queue of class {klass.name!r} for model {waiter.model!r} is full", retry
+            )
         shed = _NOTHING
         if model.queued >= model.max_queued:
             victim_class = next(
