@@ -87,7 +87,10 @@ class _ClassQueue:
     floor: float
     max_length: int
     sheddable: bool
+    # Every tenant seen (so metrics see queues drain to 0); `backlogged` only those with
+    # work, so picking the next tenant costs O(tenants waiting), not O(tenants ever seen).
     tenants: dict[str, _TenantQueue] = field(default_factory=dict)
+    backlogged: dict[str, _TenantQueue] = field(default_factory=dict)
     live: int = 0
     vtime: float = 0.0
     credit: float = 0.0
@@ -99,49 +102,47 @@ class _ClassQueue:
         queue.weight = waiter.weight
         if queue.live == 0:
             queue.start = max(self.vtime, queue.finish)
+            self.backlogged[queue.name] = queue
         queue.waiters.append(waiter)
         queue.live += 1
         self.live += 1
 
+    def _taken(self, queue: _TenantQueue) -> None:
+        queue.live -= 1
+        self.live -= 1
+        if not queue.live:
+            del self.backlogged[queue.name]
+            queue.waiters.clear()  # only marked (withdrawn) waiters can be left
+
     def pop_fairest(self) -> Waiter:
-        chosen: _TenantQueue | None = None
-        for queue in self.tenants.values():
-            if queue.live and (chosen is None or queue.start < chosen.start):
-                chosen = queue
-        assert chosen is not None
+        chosen = min(self.backlogged.values(), key=_start_tag)
         waiter = chosen.head()
         chosen.waiters.popleft()
-        chosen.live -= 1
-        self.live -= 1
         self.vtime = chosen.start
         chosen.finish = chosen.start + 1.0 / chosen.weight
         chosen.start = chosen.finish
+        self._taken(chosen)
         return waiter
 
     def pop_victim(self) -> Waiter:
         """The newest request of the tenant with the most queued (ties: the most served)."""
-        victim: _TenantQueue | None = None
-        for queue in self.tenants.values():
-            if queue.live and (
-                victim is None
-                or queue.live > victim.live
-                or (queue.live == victim.live and queue.start > victim.start)
-            ):
-                victim = queue
-        assert victim is not None
+        victim = max(self.backlogged.values(), key=_shedding_order)
         waiter = victim.newest()
         victim.waiters.pop()
-        victim.live -= 1
-        self.live -= 1
+        self._taken(victim)
         return waiter
 
     def forget(self, waiter: Waiter) -> None:
         """Account for a waiter removed lazily (it stays in the deque, marked, until skipped)."""
-        queue = self.tenants[waiter.tenant]
-        queue.live -= 1
-        self.live -= 1
-        if not queue.live:
-            queue.waiters.clear()  # only marked waiters are left; drop them now
+        self._taken(self.tenants[waiter.tenant])
+
+
+def _start_tag(queue: _TenantQueue) -> float:
+    return queue.start
+
+
+def _shedding_order(queue: _TenantQueue) -> tuple[int, float]:
+    return (queue.live, queue.start)
 
 
 @dataclass(slots=True, eq=False)
