@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from qosgate.auth import Tenant
 from qosgate.quota.tokens import utc_day
 
 _SCHEMA = """
@@ -69,6 +70,19 @@ class UsageSummary:
             self.prompt_tokens + record.prompt_tokens,
             self.completion_tokens + record.completion_tokens,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """A tenant's usage today and in the last minute, against its token limits."""
+
+    tenant: str
+    day: str
+    today: UsageSummary
+    this_minute: UsageSummary
+    daily_token_budget: int | None
+    remaining_daily_tokens: int | None
+    tokens_per_minute: int | None
 
 
 class UsageLedger:
@@ -138,6 +152,21 @@ class UsageLedger:
         since = self._wall_time() - seconds
         with self._lock:
             return self._summary("tenant = ? AND finished_at >= ?", (tenant, since))
+
+    def report(self, tenant: Tenant) -> UsageReport:
+        """What `tenant` used today (UTC) and in the last 60 s, and what its budget has left."""
+        day = utc_day(self._wall_time())
+        today = self.day_summary(tenant.name, day)
+        budget = tenant.limits.daily_token_budget
+        return UsageReport(
+            tenant=tenant.name,
+            day=day,
+            today=today,
+            this_minute=self.recent_summary(tenant.name, 60.0),
+            daily_token_budget=budget,
+            remaining_daily_tokens=None if budget is None else max(0, budget - today.total_tokens),
+            tokens_per_minute=tenant.limits.tokens_per_minute,
+        )
 
     def _summary(self, where: str, args: tuple[object, ...]) -> UsageSummary:
         row = self._db.execute(

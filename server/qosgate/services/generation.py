@@ -1,0 +1,183 @@
+"""qosgate.v1.GenerationService over gRPC: convert, call the GenerationPlane, convert back.
+
+Also the plane's way to Triton (`PoolEngineStreams`): one ModelStreamInfer call per
+generation on an upstream of the pool, cancelled when the generation is closed early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from google.protobuf import duration_pb2
+from tritonclient.grpc import service_pb2
+
+from qosgate import errors
+from qosgate.adapters.domain import ChatMessage, FinishReason, Role
+from qosgate.generation import Finished, GenerationCall, GenerationPlane
+from qosgate.services import status
+from qosgate.upstream import UpstreamPool
+from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+_ROLES = {
+    generation_pb2.ROLE_SYSTEM: Role.SYSTEM,
+    generation_pb2.ROLE_USER: Role.USER,
+    generation_pb2.ROLE_ASSISTANT: Role.ASSISTANT,
+}
+_FINISH = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: generation_pb2.FINISH_REASON_CANCELLED,
+}
+# Upstream gRPC codes that are the caller's to fix or retry; anything else is INTERNAL.
+_UPSTREAM_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: errors.Cancelled,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+}
+
+
+def to_call(
+    request: generation_pb2.GenerateRequest | generation_pb2.GenerateStreamRequest, *, stream: bool
+) -> GenerationCall:
+    """The domain call of a GenerateRequest or GenerateStreamRequest."""
+    sampling = request.sampling
+    messages = None
+    if request.WhichOneof("input") == "chat":
+        messages = tuple(_message(i, m) for i, m in enumerate(request.chat.messages))
+    return GenerationCall(
+        model=request.model,
+        prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
+        messages=messages,
+        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+        top_k=sampling.top_k if sampling.HasField("top_k") else None,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(sampling.stop),
+        priority_class=request.priority_class or None,
+        stream=stream,
+    )
+
+
+def _message(index: int, message: generation_pb2.ChatMessage) -> ChatMessage:
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise errors.InvalidArgument(f"chat.messages[{index}].role must be set")
+    return ChatMessage(role, message.content)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(max(0, round(seconds * 1e9)))
+    return duration
+
+
+def _usage(finished: Finished) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=finished.usage.prompt_tokens, completion_tokens=finished.usage.completion_tokens
+    )
+
+
+def _timing(finished: Finished) -> common_pb2.Timing:
+    timing = finished.timing
+    return common_pb2.Timing(
+        queue=_duration(timing.queue_s),
+        time_to_first_token=_duration(timing.first_token_s),
+        total=_duration(timing.total_s),
+    )
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {key: value for key, value in context.invocation_metadata() or ()}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Generate and GenerateStream on top of a GenerationPlane."""
+
+    def __init__(self, plane: GenerationPlane, *, clock_now: Callable[[], float]) -> None:
+        self._plane = plane
+        self._now = clock_now
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else self._now() + remaining
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GenerateResponse:
+        try:
+            call = to_call(request, stream=False)
+            texts: list[str] = []
+            async with contextlib.aclosing(
+                self._plane.generate(_metadata(context), call, deadline=self._deadline(context))
+            ) as items:
+                async for item in items:
+                    if isinstance(item, Finished):
+                        return generation_pb2.GenerateResponse(
+                            text="".join(texts),
+                            finish_reason=_FINISH[item.finish_reason],
+                            usage=_usage(item),
+                            timing=_timing(item),
+                        )
+                    texts.append(item)
+            raise errors.Internal("generation ended without a result")
+        except Exception as e:  # domain errors by the table; anything else INTERNAL
+            await status.abort(context, e)
+            raise
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        try:
+            call = to_call(request, stream=True)
+            async with contextlib.aclosing(
+                self._plane.generate(_metadata(context), call, deadline=self._deadline(context))
+            ) as items:
+                async for item in items:
+                    if isinstance(item, Finished):
+                        yield generation_pb2.GenerateStreamResponse(
+                            finish_reason=_FINISH[item.finish_reason], usage=_usage(item), timing=_timing(item)
+                        )
+                    else:
+                        yield generation_pb2.GenerateStreamResponse(text=item)
+        except Exception as e:
+            await status.abort(context, e)
+            raise
+
+
+class PoolEngineStreams:
+    """`EngineStreams` on the upstream pool: one ModelStreamInfer call per generation."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+
+    async def open(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+        upstream = self._pool.pick()
+        with upstream.lease():
+            call = upstream.stream()(timeout=timeout_s)
+            try:
+                await call.write(request.SerializeToString())
+                async for raw in call:
+                    message = service_pb2.ModelStreamInferResponse.FromString(raw)
+                    if message.error_message:
+                        # Triton reports a request's own failure in the stream, without a
+                        # code: the model refused this request (bad sampling, prompt too long).
+                        raise errors.InvalidArgument(f"model {request.model_name!r}: {message.error_message}")
+                    yield message.infer_response
+            except grpc.aio.AioRpcError as e:
+                if e.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._pool.recheck(upstream)
+                error = _UPSTREAM_CODES.get(e.code())
+                if error is None:
+                    raise errors.Internal(f"Triton failed: {e.code().name}: {e.details()}") from e
+                raise error(f"Triton: {e.details()}") from e
+            finally:
+                # Early close (the caller cancelled, or the final response was read):
+                # cancelling the call makes Triton cancel the request in the engine.
+                call.cancel()
