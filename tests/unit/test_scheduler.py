@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from typing import Any
 
@@ -346,3 +347,62 @@ async def test_shed_waiter_raises_unavailable() -> None:
         with pytest.raises(Unavailable, match="shed under overload"):
             await victim
     await vip
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_operations_keep_the_core_consistent(seed: int) -> None:
+    """Submit, release, withdraw and let time pass at random; the books must always balance."""
+    rng = random.Random(seed)
+    window = rng.randint(1, 4)
+    cfg = config(window=window, max_queued=rng.randint(5, 30), floor_share=0.1)
+    core = SchedulingCore(cfg)
+    clock = FakeClock()
+    queued: list[Waiter] = []
+    in_flight = 0
+    dispatched: set[Waiter] = set()  # Waiter compares by identity
+
+    def account(waiter: Waiter) -> None:
+        nonlocal in_flight
+        assert waiter not in dispatched, "dispatched twice"
+        if waiter.state is WaiterState.DISPATCHED:
+            dispatched.add(waiter)
+            in_flight += 1
+        if waiter in queued:
+            queued.remove(waiter)
+
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.5:
+            klass = rng.choice(cfg.classes)
+            deadline = clock.now() + rng.uniform(0.1, 3.0) if rng.random() < 0.5 else None
+            waiter = Waiter(rng.choice("abcd"), rng.choice([1.0, 2.0]), klass, MODEL, deadline, 0.0)
+            try:
+                decided = core.submit(waiter, clock.now())
+            except (Unavailable, DeadlineExceeded):
+                assert waiter.state is WaiterState.PENDING
+                continue
+            for shed in decided:
+                assert shed.state is WaiterState.DROPPED and shed.klass != cfg.classes[0]
+                queued.remove(shed)
+            if waiter.state is WaiterState.QUEUED:
+                queued.append(waiter)
+            else:
+                account(waiter)
+        elif op < 0.8 and in_flight:
+            in_flight -= 1
+            for waiter in core.release(MODEL, clock.now()):
+                if waiter.state is WaiterState.DROPPED:
+                    assert waiter.deadline is not None and waiter.deadline <= clock.now()
+                account(waiter)
+        elif op < 0.9 and queued:
+            waiter = rng.choice(queued)
+            assert core.withdraw(waiter)
+            queued.remove(waiter)
+        else:
+            clock.advance(rng.uniform(0.0, 1.0))
+        snapshot = core.snapshot()
+        assert snapshot.in_flight.get(MODEL, 0) == in_flight <= window
+        assert sum(snapshot.queued.values()) == len(queued)
+        assert all(w.state is WaiterState.QUEUED for w in queued)
+        if queued:
+            assert in_flight == window, "work-conserving: nothing waits while the window has room"
