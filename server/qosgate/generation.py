@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2
 from qosgate.adapters import GenerationAdapter, adapter_for
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
-from qosgate.auth import TenantDirectory
+from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
@@ -109,16 +109,23 @@ class GenerationPlane:
         self._templates: dict[str, ChatTemplate] = {}
         self._adapters: dict[str, GenerationAdapter] = {}
 
-    async def generate(
+    def generate(
         self, metadata: Mapping[str, str], call: GenerationCall, *, deadline: float | None = None
     ) -> AsyncIterator[str | Finished]:
-        """Text deltas, then one Finished. `deadline` is on the plane's clock.
+        """Text deltas, then one Finished, for the caller the metadata's key names.
+        `deadline` is on the plane's clock.
 
         Close the iterator when done with it (`contextlib.aclosing`): that is what
         releases the request's slot and quotas when the caller stops early.
         """
+        return self.generate_for(self._directory.identify(metadata), call, deadline=deadline)
+
+    async def generate_for(
+        self, tenant: Tenant, call: GenerationCall, *, deadline: float | None = None
+    ) -> AsyncIterator[str | Finished]:
+        """`generate` for a tenant already identified (the batch runner acts for a job's
+        tenant, which has no key at hand)."""
         arrived = self._clock.now()
-        tenant = self._directory.identify(metadata)
         self._directory.require_model(tenant, call.model)
         klass = self._directory.resolve_class(tenant, call.priority_class or None)
         policy = self._config.model_policy(call.model)

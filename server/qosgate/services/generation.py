@@ -17,7 +17,7 @@ from qosgate import errors
 from qosgate.adapters.domain import ChatMessage, FinishReason, Role
 from qosgate.generation import Finished, GenerationCall, GenerationPlane
 from qosgate.services import status
-from qosgate.upstream import UpstreamPool
+from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 _ROLES = {
@@ -70,7 +70,7 @@ def _message(index: int, message: generation_pb2.ChatMessage) -> ChatMessage:
     return ChatMessage(role, message.content)
 
 
-def _duration(seconds: float) -> duration_pb2.Duration:
+def duration(seconds: float) -> duration_pb2.Duration:
     duration = duration_pb2.Duration()
     duration.FromNanoseconds(max(0, round(seconds * 1e9)))
     return duration
@@ -85,10 +85,35 @@ def _usage(finished: Finished) -> common_pb2.Usage:
 def _timing(finished: Finished) -> common_pb2.Timing:
     timing = finished.timing
     return common_pb2.Timing(
-        queue=_duration(timing.queue_s),
-        time_to_first_token=_duration(timing.first_token_s),
-        total=_duration(timing.total_s),
+        queue=duration(timing.queue_s),
+        time_to_first_token=duration(timing.first_token_s),
+        total=duration(timing.total_s),
     )
+
+
+async def collect_response(items: AsyncIterator[str | Finished]) -> generation_pb2.GenerateResponse:
+    """The unary response of a generation: its deltas joined, with the final outcome."""
+    texts: list[str] = []
+    async for item in items:
+        if isinstance(item, Finished):
+            return generation_pb2.GenerateResponse(
+                text="".join(texts),
+                finish_reason=_FINISH[item.finish_reason],
+                usage=_usage(item),
+                timing=_timing(item),
+            )
+        texts.append(item)
+    raise errors.Internal("generation ended without a result")
+
+
+def upstream_error(pool: UpstreamPool, upstream: Upstream, error: grpc.aio.AioRpcError) -> errors.GatewayError:
+    """The domain error for a failed call to Triton; an UNAVAILABLE upstream is rechecked."""
+    if error.code() is grpc.StatusCode.UNAVAILABLE:
+        pool.recheck(upstream)
+    kind = _UPSTREAM_CODES.get(error.code())
+    if kind is None:
+        return errors.Internal(f"Triton failed: {error.code().name}: {error.details()}")
+    return kind(f"Triton: {error.details()}")
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -111,20 +136,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> generation_pb2.GenerateResponse:
         try:
             call = to_call(request, stream=False)
-            texts: list[str] = []
             async with contextlib.aclosing(
                 self._plane.generate(_metadata(context), call, deadline=self._deadline(context))
             ) as items:
-                async for item in items:
-                    if isinstance(item, Finished):
-                        return generation_pb2.GenerateResponse(
-                            text="".join(texts),
-                            finish_reason=_FINISH[item.finish_reason],
-                            usage=_usage(item),
-                            timing=_timing(item),
-                        )
-                    texts.append(item)
-            raise errors.Internal("generation ended without a result")
+                return await collect_response(items)
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             await status.abort(context, e)
             raise
@@ -171,12 +186,7 @@ class PoolEngineStreams:
                         raise errors.InvalidArgument(f"model {request.model_name!r}: {message.error_message}")
                     yield message.infer_response
             except grpc.aio.AioRpcError as e:
-                if e.code() is grpc.StatusCode.UNAVAILABLE:
-                    self._pool.recheck(upstream)
-                error = _UPSTREAM_CODES.get(e.code())
-                if error is None:
-                    raise errors.Internal(f"Triton failed: {e.code().name}: {e.details()}") from e
-                raise error(f"Triton: {e.details()}") from e
+                raise upstream_error(self._pool, upstream, e) from e
             finally:
                 # Early close (the caller cancelled, or the final response was read):
                 # cancelling the call makes Triton cancel the request in the engine.
