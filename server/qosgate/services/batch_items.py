@@ -1,0 +1,38 @@
+"""The batch runner's ItemExecutor: a stored item request run through the same planes as
+the GenerationService and EmbeddingService calls, as the job's tenant, at the batch class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from qosgate.auth import Tenant
+from qosgate.embedding import EmbeddingPlane
+from qosgate.generation import GenerationPlane
+from qosgate.jobs.model import ItemKind
+from qosgate.services.embedding import embed_response
+from qosgate.services.generation import collect_response, to_call
+from qosgate.v1 import embedding_pb2, generation_pb2
+
+
+class PlaneItemExecutor:
+    """Runs generation items unary (whole text) and embedding items as one call each."""
+
+    def __init__(self, generation: GenerationPlane, embedding: EmbeddingPlane) -> None:
+        self._generation = generation
+        self._embedding = embedding
+
+    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str) -> bytes:
+        if kind is ItemKind.GENERATE:
+            request = generation_pb2.GenerateRequest.FromString(payload)
+            request.priority_class = klass
+            async with contextlib.aclosing(
+                self._generation.generate_for(tenant, to_call(request, stream=False))
+            ) as items:
+                response = await collect_response(items)
+            return response.SerializeToString()
+        embed = embedding_pb2.EmbedRequest.FromString(payload)
+        result = await self._embedding.embed(
+            tenant, embed.model, list(embed.inputs), priority_class=klass
+        )
+        return embed_response(result).SerializeToString()

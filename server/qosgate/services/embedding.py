@@ -1,0 +1,74 @@
+"""qosgate.v1.EmbeddingService over gRPC, and the embedding plane's way to Triton."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from qosgate.auth import TenantDirectory
+from qosgate.embedding import EmbeddingPlane, Embeddings
+from qosgate.services import status
+from qosgate.services.generation import duration, upstream_error
+from qosgate.upstream import UpstreamPool
+from qosgate.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
+
+
+def embed_response(result: Embeddings) -> embedding_pb2.EmbedResponse:
+    """The wire form of an embedding result."""
+    return embedding_pb2.EmbedResponse(
+        embeddings=[embedding_pb2.Embedding(values=v) for v in result.vectors],
+        timing=common_pb2.Timing(
+            queue=duration(result.queue_s),
+            time_to_first_token=duration(result.total_s),
+            total=duration(result.total_s),
+        ),
+    )
+
+
+class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
+    """Embed on top of an EmbeddingPlane."""
+
+    def __init__(
+        self, plane: EmbeddingPlane, directory: TenantDirectory, *, clock_now: Callable[[], float]
+    ) -> None:
+        self._plane = plane
+        self._directory = directory
+        self._now = clock_now
+
+    async def Embed(  # noqa: N802 - gRPC method name
+        self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedding_pb2.EmbedResponse:
+        try:
+            tenant = self._directory.identify(dict(context.invocation_metadata() or ()))
+            remaining = context.time_remaining()
+            result = await self._plane.embed(
+                tenant,
+                request.model,
+                list(request.inputs),
+                priority_class=request.priority_class or None,
+                deadline=None if remaining is None else self._now() + remaining,
+            )
+        except Exception as e:  # domain errors by the table; anything else INTERNAL
+            await status.abort(context, e)
+            raise
+        return embed_response(result)
+
+
+class PoolEngineInfer:
+    """`EngineInfer` on the upstream pool."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> service_pb2.ModelInferResponse:
+        upstream = self._pool.pick()
+        with upstream.lease():
+            try:
+                raw = await upstream.unary("ModelInfer")(request.SerializeToString(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise upstream_error(self._pool, upstream, e) from e
+        return service_pb2.ModelInferResponse.FromString(raw)
