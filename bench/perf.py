@@ -1,13 +1,15 @@
-"""Run perf_analyzer (closed loop, fixed concurrency) and read its CSV report."""
+"""Run perf_analyzer (closed loop, fixed concurrency) and compute figures from its
+per-request profile export (timestamps of each request and of each of its responses)."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+import json
 import pathlib
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 from bench.tools import perf_analyzer
 
@@ -25,16 +27,16 @@ class PerfPoint:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PerfSettings:
-    """How long perf_analyzer measures: window length, windows, allowed variation."""
+    """How much perf_analyzer measures: a fixed number of requests per point."""
 
-    window_ms: int
-    max_trials: int
-    stability_pct: int = 1000
+    requests: int
 
     def args(self) -> list[str]:
-        # On a shared 2-core machine windows often differ by more than 2x (other jobs run);
-        # a very wide tolerance keeps runs bounded; the spread shows in the repeated points.
-        return ["-p", str(self.window_ms), "-r", str(self.max_trials), "-s", str(self.stability_pct)]
+        # A fixed request count instead of perf_analyzer's stability windows: on a shared
+        # 2-core machine (and with Triton's occasional 500 ms batcher stalls) windows often
+        # never agree, and the run would fail instead of reporting the spread. Its own
+        # summary of such a run rounds the duration to whole seconds, hence the export.
+        return ["--request-count", str(self.requests)]
 
 
 class PerfAnalyzerFailed(RuntimeError):
@@ -48,24 +50,42 @@ def measure(
 ) -> PerfPoint:
     """One concurrency level against a gRPC target; `headers` go out as gRPC metadata."""
     with tempfile.TemporaryDirectory(prefix="perf-") as tmp:
-        report = pathlib.Path(tmp) / "report.csv"
+        export = pathlib.Path(tmp) / "profile.json"
         cmd = [
             str(perf_analyzer()), "-m", model, "-u", url, "-i", "grpc",
-            "--concurrency-range", str(concurrency), *settings.args(), "-f", str(report),
+            "--concurrency-range", str(concurrency), *settings.args(),
+            "--profile-export-file", str(export),
             *(f"--shape={s}" for s in shape), *(a for h in headers for a in ("-H", h)), *extra,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        if out.returncode != 0 or not report.exists():
+        if out.returncode != 0 or not export.exists():
             raise PerfAnalyzerFailed(
                 f"perf_analyzer exited {out.returncode} for {model} at {url}:\n"
                 f"{(out.stdout + out.stderr)[-2000:]}"
             )
-        with open(report, newline="") as f:
-            row = next(csv.DictReader(f))
+        experiment = json.loads(export.read_text())["experiments"][0]
+    return summarise(concurrency, experiment)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (q in 0..100)."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[rank]
+
+
+def summarise(concurrency: int, experiment: dict[str, Any]) -> PerfPoint:
+    requests = experiment["requests"]
+    latencies = sorted((r["response_timestamps"][-1] - r["timestamp"]) / 1e3 for r in requests)
+    # The export's window boundaries are whole-second marks; the requests' own timestamps
+    # bound the measured interval exactly.
+    start = min(r["timestamp"] for r in requests)
+    end = max(r["response_timestamps"][-1] for r in requests)
     return PerfPoint(
-        concurrency=int(row["Concurrency"]),
-        throughput=float(row["Inferences/Second"]),
-        p50_us=float(row["p50 latency"]),
-        p90_us=float(row["p90 latency"]),
-        p99_us=float(row["p99 latency"]),
+        concurrency=concurrency,
+        throughput=len(requests) / ((end - start) / 1e9),
+        p50_us=percentile(latencies, 50),
+        p90_us=percentile(latencies, 90),
+        p99_us=percentile(latencies, 99),
     )

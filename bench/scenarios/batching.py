@@ -10,17 +10,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import shutil
 import tempfile
+from collections.abc import Callable
 
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
-
-from bench import perf, plots
+from bench import perf, plots, repository
 from bench.report import Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import Stack, checked
-from qosgate import paths
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +35,15 @@ class Variant:
         return f"{SOURCE}_b{self.max_batch}_d{self.delay_us}"
 
 
-def write_variant(repo: pathlib.Path, variant: Variant) -> None:
-    source = paths.model_repository() / SOURCE
-    target = repo / variant.name
-    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
-    config = text_format.Parse((source / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    config.name = variant.name
-    config.max_batch_size = variant.max_batch
-    batching = config.dynamic_batching
-    del batching.preferred_batch_size[:]
-    batching.preferred_batch_size.extend(s for s in (4, 8, 16, 32) if s <= variant.max_batch)
-    batching.max_queue_delay_microseconds = variant.delay_us
-    (target / "config.pbtxt").write_text(text_format.MessageToString(config))
+def batching(variant: Variant) -> Callable[[repository.ModelConfig], None]:
+    def edit(config: repository.ModelConfig) -> None:
+        config.max_batch_size = variant.max_batch
+        dynamic = config.dynamic_batching
+        del dynamic.preferred_batch_size[:]
+        dynamic.preferred_batch_size.extend(s for s in (4, 8, 16, 32) if s <= variant.max_batch)
+        dynamic.max_queue_delay_microseconds = variant.delay_us
+
+    return edit
 
 
 def run(ctx: RunContext) -> ScenarioResult:
@@ -59,12 +52,12 @@ def run(ctx: RunContext) -> ScenarioResult:
     base_delay = 5000
     concurrency = 16
     variants = [Variant(b, base_delay) for b in sizes] + [Variant(32, d) for d in delays if d != base_delay]
-    settings = perf.PerfSettings(window_ms=ctx.pick(2500, 5000), max_trials=ctx.pick(3, 5))
+    settings = perf.PerfSettings(requests=ctx.pick(300, 1000))
     points: dict[Variant, perf.PerfPoint] = {}
     with tempfile.TemporaryDirectory(prefix="minilm-variants-") as tmp:
         repo = pathlib.Path(tmp)
         for variant in variants:
-            write_variant(repo, variant)
+            repository.write_variant(repo, SOURCE, variant.name, batching(variant))
         with checked(Stack(models=[v.name for v in variants], model_repository=repo)) as stack:
             for variant in variants:
                 points[variant] = perf.measure(url=stack.triton_url, model=variant.name,
@@ -83,7 +76,7 @@ def run(ctx: RunContext) -> ScenarioResult:
                batched.p50_us / 1e3, "ms", reference=f"unbatched {unbatched.p50_us / 1e3:.1f} ms"),
     ]
     notes = [f"perf_analyzer concurrency {concurrency}, random 128-character strings, "
-             f"{settings.window_ms} ms windows; queue-delay sweep at max_batch_size 32; "
+             f"{settings.requests} requests per point; queue-delay sweep at max_batch_size 32; "
              f"preferred sizes 4/8/16/32 up to the max; torch 1 thread per model instance."]
     return ctx.result(figures, {"minilm variants": rows}, notes,
                       plot=lambda path: draw(points, sizes, delays, base_delay, path))
