@@ -218,6 +218,35 @@ class BatchConfig(_Frozen):
     match); empty: callbacks are refused."""
 
 
+class QuotaStoreConfig(_Frozen):
+    """Where tenants' request-rate, concurrency and token-rate state lives."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    """`memory`: in this gateway process (one replica); `redis`: in a Redis server shared
+    by every gateway process that uses it, so the limits hold for all replicas together."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis server: `redis://host:port/db`, `rediss://` for TLS, `unix:///path`."""
+    password_env: str | None = None
+    """Environment variable holding the Redis password (keeps it out of the config file)."""
+    key_prefix: str = Field(default="qosgate", min_length=1)
+    """Prefix of every Redis key; gateways that share quotas use the same prefix."""
+    lease_s: float = Field(default=30.0, gt=0)
+    """Lease of a concurrency slot in Redis: renewed while its request runs, so the slots
+    of a gateway that died without releasing them expire after at most this long."""
+    timeout_s: float = Field(default=0.25, gt=0)
+    """Timeout of one Redis call; past it, Redis counts as unreachable."""
+    on_error: Literal["allow", "deny"] = "deny"
+    """While Redis is unreachable: `deny` refuses requests UNAVAILABLE (limits are never
+    exceeded), `allow` admits them unchecked (availability over limits)."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
+
+
 class GatewayConfig(_Frozen):
     """The whole gateway configuration (see README, section `config`)."""
 
@@ -247,6 +276,8 @@ class GatewayConfig(_Frozen):
     relative to the working directory; default `<project>/.cache/usage.sqlite3`."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """Batch jobs."""
+    quota_store: QuotaStoreConfig = Field(default_factory=QuotaStoreConfig)
+    """Where quota state lives: this process, or Redis shared by all gateway replicas."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

@@ -16,6 +16,7 @@ from qosgate.config import (
     GatewayConfig,
     LimitsConfig,
     ModelPolicy,
+    QuotaStoreConfig,
     SchedulerConfig,
     TenantConfig,
     UpstreamConfig,
@@ -187,6 +188,7 @@ def test_readme_documents_every_config_key() -> None:
         ModelPolicy,
         TenantConfig,
         LimitsConfig,
+        QuotaStoreConfig,
     ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
