@@ -12,21 +12,45 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
 from qosgate.config import GatewayConfig, UpstreamConfig
+from qosgate.embedding import EmbeddingPlane
+from qosgate.generation import GenerationPlane
+from qosgate.jobs.callbacks import HttpCallbackSender
+from qosgate.jobs.runner import JobRunner, RetryPolicy
+from qosgate.jobs.store import JobStore
 from qosgate.launcher import LocalTriton, TritonPorts
 from qosgate.metrics import GatewayMetrics, MetricsEndpoint
 from qosgate.quota import Admission, InMemoryQuotaStore
+from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
+from qosgate.services.admin import AdminServicer
+from qosgate.services.batch import BatchService
+from qosgate.services.batch_items import PlaneItemExecutor
+from qosgate.services.embedding import EmbeddingServicer, PoolEngineInfer
+from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
+from qosgate.usage import UsageLedger
+from qosgate.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    batch_pb2,
+    batch_pb2_grpc,
+    embedding_pb2,
+    embedding_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +82,41 @@ class Gateway:
         self.scheduler = Scheduler(config, self.clock)
         self.directory = TenantDirectory(config)
         self.admission = Admission(InMemoryQuotaStore(), self.clock)
+        self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
+        self.generation = GenerationPlane(
+            config=config,
+            directory=self.directory,
+            admission=self.admission,
+            budget=DailyTokenBudget(wall_time=time.time, totals=self.ledger),
+            scheduler=self.scheduler,
+            ledger=self.ledger,
+            engine=PoolEngineStreams(self.pool),
+            clock=self.clock,
+        )
+        self.embedding = EmbeddingPlane(
+            directory=self.directory,
+            admission=self.admission,
+            scheduler=self.scheduler,
+            engine=PoolEngineInfer(self.pool),
+            clock=self.clock,
+        )
+        self.jobs = JobStore(config.batch.db or paths.cache_dir() / "batch.sqlite3", wall_time=time.time)
+        tenants = {tenant.name: tenant for tenant in self.directory.tenants}
+        self.batch_runner = JobRunner(
+            self.jobs,
+            PlaneItemExecutor(self.generation, self.embedding),
+            tenants.get,
+            wall_time=time.time,
+            callbacks=HttpCallbackSender(),
+            klass=config.batch_class(),
+            max_in_flight=config.batch.max_in_flight,
+            retry=RetryPolicy(
+                max_attempts=config.batch.max_attempts,
+                base_delay_s=config.batch.retry_base_delay_s,
+                max_delay_s=config.batch.retry_max_delay_s,
+            ),
+        )
+        self._batch_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self._serve_metrics = serve_metrics
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -80,9 +139,31 @@ class Gateway:
         )
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         server.add_generic_rpc_handlers((kserve.rpc_handler(),))
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.generation, clock_now=self.clock.now), server
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.directory, self.ledger), server)
+        embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(
+            EmbeddingServicer(self.embedding, self.directory, clock_now=self.clock.now), server
+        )
+        batch_pb2_grpc.add_BatchServiceServicer_to_server(
+            BatchService(
+                directory=self.directory, store=self.jobs, runner=self.batch_runner, config=self.config.batch
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (KSERVE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (
+                KSERVE_SERVICE,
+                generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+                admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+                embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
+                batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
         self.port = server.add_insecure_port(self.config.listen)
         if self.port == 0:
@@ -98,6 +179,8 @@ class Gateway:
             self._metrics_endpoint = self.metrics.serve(self.config.metrics_listen)
         await server.start()
         self._server = server
+        # Batch items re-queued after a restart start as soon as the gateway serves.
+        self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
             "qosgate listening on %s (port %d), metrics on %s; %s",
             self.config.listen,
@@ -117,7 +200,14 @@ class Gateway:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._batch_task is not None:
+            # Items in flight stay `running` in the store and re-run at the next start.
+            self._batch_task.cancel()
+            await asyncio.gather(self._batch_task, return_exceptions=True)
+            self._batch_task = None
         await self.pool.close()
+        self.ledger.close()
+        self.jobs.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
             self._metrics_endpoint = None

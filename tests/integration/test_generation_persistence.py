@@ -1,0 +1,145 @@
+"""The daily token budget survives a gateway restart and a kill -9.
+
+The gateway runs as a real subprocess (`qosgate serve`) so it can be killed with SIGKILL
+in the middle of its life; the usage ledger (SQLite) is all that carries over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import free_port, require_model
+from qosgate.adapters.chat_template import ChatTemplate
+from qosgate.adapters.domain import ChatMessage, Role
+from qosgate.launcher import LocalTriton
+from qosgate.quota.tokens import estimate_prompt_tokens
+from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+KEY = "persist-key"
+BUDGET = 150
+QUESTION = "What is the capital of France?"
+METADATA = (("authorization", f"Bearer {KEY}"),)
+
+
+@pytest.fixture
+def config_file(triton: LocalTriton, tmp_path: Path) -> Path:
+    require_model("smollm2")
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
+                "metrics_listen": "127.0.0.1:0",
+                "usage_db": str(tmp_path / "usage.sqlite3"),
+                "tenants": [
+                    {"name": "budgeted", "api_keys": [{"key": KEY}], "limits": {"daily_token_budget": BUDGET}}
+                ],
+            }
+        )
+    )
+    return path
+
+
+class GatewayProcess:
+    """`qosgate serve` on a fresh port; `kill(sig)` ends it the hard or the polite way."""
+
+    def __init__(self, config_file: Path) -> None:
+        raw = yaml.safe_load(config_file.read_text())
+        self.url = f"127.0.0.1:{free_port()}"
+        raw["listen"] = self.url
+        config_file.write_text(yaml.safe_dump(raw))
+        self.log = config_file.with_suffix(f".{self.url.rsplit(':', 1)[1]}.log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "qosgate", "serve", "--config", str(config_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.channel = grpc.insecure_channel(self.url)
+        self._wait_serving()
+
+    def _wait_serving(self, timeout: float = 60.0) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("gateway did not become SERVING")
+
+    def kill(self, sig: int) -> None:
+        self.channel.close()
+        os.kill(self.proc.pid, sig)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def gateways(config_file: Path) -> Iterator[list[GatewayProcess]]:
+    started: list[GatewayProcess] = []
+    yield started
+    for gateway in started:
+        if gateway.proc.poll() is None:
+            gateway.kill(signal.SIGKILL)
+
+
+def _chat(max_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        model="smollm2",
+        chat=generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role=generation_pb2.ROLE_USER, content=QUESTION)]),
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
+def _usage(gateway: GatewayProcess) -> admin_pb2.GetUsageResponse:
+    return admin_pb2_grpc.AdminServiceStub(gateway.channel).GetUsage(
+        admin_pb2.GetUsageRequest(), metadata=METADATA, timeout=10
+    )
+
+
+def test_budget_usage_survives_restart_and_kill_9(config_file: Path, gateways: list[GatewayProcess]) -> None:
+    prompt_estimate = estimate_prompt_tokens(ChatTemplate("chatml").render([ChatMessage(Role.USER, QUESTION)]))
+    first = GatewayProcess(config_file)
+    gateways.append(first)
+    reply = generation_pb2_grpc.GenerationServiceStub(first.channel).Generate(
+        _chat(max_tokens=24), metadata=METADATA, timeout=120
+    )
+    spent = reply.usage.prompt_tokens + reply.usage.completion_tokens
+    usage = _usage(first)
+    assert usage.today.prompt_tokens + usage.today.completion_tokens == spent
+    assert usage.remaining_daily_tokens == BUDGET - spent
+    # A request that a fresh budget would admit but what is left cannot: it tells whether
+    # the spent tokens were remembered.
+    max_tokens = BUDGET - spent - prompt_estimate + 1
+    assert max_tokens >= 1 and prompt_estimate + max_tokens <= BUDGET
+
+    for how in (signal.SIGKILL, signal.SIGTERM):
+        gateways[-1].kill(how)
+        restarted = GatewayProcess(config_file)
+        gateways.append(restarted)
+        after = _usage(restarted)
+        assert after.today == usage.today, f"usage lost across {signal.Signals(how).name}"
+        assert after.remaining_daily_tokens == BUDGET - spent
+        with pytest.raises(grpc.RpcError) as refused:
+            generation_pb2_grpc.GenerationServiceStub(restarted.channel).Generate(
+                _chat(max_tokens), metadata=METADATA, timeout=60
+            )
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "daily_token_budget" in refused.value.details()
