@@ -12,8 +12,9 @@ at once, and costs only what was generated before the cancel.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +81,7 @@ class EngineStreams(Protocol):
 
     def open(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None
-    ) -> AsyncIterator[service_pb2.ModelInferResponse]: ...
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]: ...
 
 
 class GenerationPlane:
@@ -136,7 +137,11 @@ class GenerationPlane:
         reservation = self._budget.reserve(tenant, cost)
         if isinstance(reservation, Refused):
             raise reservation.error()
-        verdict = self._admission.admit(tenant, cost_tokens=cost)
+        try:
+            verdict = await self._admission.admit(tenant, cost_tokens=cost)
+        except BaseException:  # quota store unreachable (Unavailable) or cancelled
+            self._budget.settle(reservation)
+            raise
         if isinstance(verdict, Refused):
             self._budget.settle(reservation)
             raise verdict.error()
@@ -155,16 +160,19 @@ class GenerationPlane:
                 upstream.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = dispatch.priority_level
                 timeout_s = self._timeout(deadline, upstream)
                 first_token: float | None = None
-                async for response in self._engine.open(upstream, timeout_s):
-                    responses += 1
-                    chunk = decoder.feed(response)
-                    if chunk.text:
-                        if first_token is None:
-                            first_token = self._clock.now()
-                        yield chunk.text
-                    if chunk.final:
-                        finished = chunk.finish_reason
-                        break
+                # aclosing: when our caller leaves mid-stream, the engine stream must be
+                # closed now (cancelling the upstream call), not whenever it is collected.
+                async with contextlib.aclosing(self._engine.open(upstream, timeout_s)) as stream:
+                    async for response in stream:
+                        responses += 1
+                        chunk = decoder.feed(response)
+                        if chunk.text:
+                            if first_token is None:
+                                first_token = self._clock.now()
+                            yield chunk.text
+                        if chunk.final:
+                            finished = chunk.finish_reason
+                            break
                 if finished is None:
                     raise Internal(f"Triton ended the stream of request {request_id} before its final response")
             now = self._clock.now()
@@ -187,7 +195,7 @@ class GenerationPlane:
                     UsageRecord(tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
                 )
             self._budget.settle(reservation)
-            verdict.permit.release(actual_tokens=used.total)
+            await verdict.permit.release(actual_tokens=used.total)
 
     def _request(self, call: GenerationCall, policy: ModelPolicy) -> GenerationRequest:
         if not call.model:

@@ -7,7 +7,7 @@ generation on an upstream of the pool, cancelled when the generation is closed e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 from google.protobuf import duration_pb2
@@ -172,7 +172,7 @@ class PoolEngineStreams:
 
     async def open(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None
-    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
         upstream = self._pool.pick()
         with upstream.lease():
             call = upstream.stream()(timeout=timeout_s)

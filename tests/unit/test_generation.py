@@ -1,0 +1,193 @@
+"""GenerationPlane with an in-process fake Triton: accounting on every way a call can end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncGenerator
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from qosgate.adapters.domain import ChatMessage, FinishReason, Role
+from qosgate.auth import TenantDirectory
+from qosgate.config import parse_config
+from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
+from qosgate.generation import Finished, GenerationCall, GenerationPlane
+from qosgate.quota import Admission, InMemoryQuotaStore
+from qosgate.quota.tokens import DailyTokenBudget
+from qosgate.scheduler import Scheduler
+from qosgate.usage import UsageLedger
+from tests.fakes import FakeClock
+
+KEY = {"authorization": "Bearer k-acme"}
+DAY0 = 1_767_225_600.0
+
+
+def _response(text: str, tokens: int, *, final: bool = False, reason: str = "") -> service_pb2.ModelInferResponse:
+    """A vLLM-contract response as Triton sends it."""
+    response = service_pb2.ModelInferResponse()
+    for name, datatype, raw in (
+        ("text_output", "BYTES", struct.pack("<I", len(text.encode())) + text.encode()),
+        ("num_input_tokens", "UINT32", struct.pack("<I", 7)),
+        ("num_output_tokens", "UINT32", struct.pack("<I", tokens)),
+        ("finish_reason", "BYTES", struct.pack("<I", len(reason)) + reason.encode()),
+    ):
+        response.outputs.add(name=name, datatype=datatype, shape=[1])
+        response.raw_output_contents.append(raw)
+    if final:
+        response.parameters["triton_final_response"].bool_param = True
+    return response
+
+
+class FakeEngine:
+    """Plays a list of responses; `hold` pauses before the last one until released."""
+
+    def __init__(self, responses: list[service_pb2.ModelInferResponse], *, fail_first: Exception | None = None) -> None:
+        self.responses = responses
+        self.fail_first = fail_first
+        self.requests: list[service_pb2.ModelInferRequest] = []
+        self.closed = 0
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def open(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
+        self.requests.append(request)
+        try:
+            if self.fail_first is not None:
+                failure, self.fail_first = self.fail_first, None
+                raise failure
+            for i, response in enumerate(self.responses):
+                if i == len(self.responses) - 1:
+                    await self.hold.wait()
+                yield response
+        finally:
+            self.closed += 1
+
+
+STORY = [_response("Once", 1), _response(" upon", 1), _response(" a time", 2, final=True, reason="length")]
+
+
+def _plane(engine: FakeEngine, **limits: int) -> tuple[GenerationPlane, UsageLedger, Scheduler]:
+    config = parse_config(
+        {
+            "models": {"smollm2": {"dispatch_window": 1, "default_max_tokens": 4}},
+            "tenants": [
+                {
+                    "name": "acme",
+                    "api_keys": [{"key": "k-acme"}],
+                    "models": ["smollm2"],
+                    "max_class": "critical",
+                    "limits": {"max_concurrent": 1, **limits},
+                }
+            ],
+        }
+    )
+    clock = FakeClock()
+    ledger = UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
+    scheduler = Scheduler(config, clock)
+    plane = GenerationPlane(
+        config=config,
+        directory=TenantDirectory(config),
+        admission=Admission(InMemoryQuotaStore(), clock),
+        budget=DailyTokenBudget(wall_time=lambda: DAY0 + 3600, totals=ledger),
+        scheduler=scheduler,
+        ledger=ledger,
+        engine=engine,
+        clock=clock,
+    )
+    return plane, ledger, scheduler
+
+
+async def _collect(plane: GenerationPlane, call: GenerationCall) -> list[str | Finished]:
+    async with contextlib.aclosing(plane.generate(KEY, call)) as items:
+        return [item async for item in items]
+
+
+async def test_stream_yields_deltas_then_usage_and_records_it() -> None:
+    engine = FakeEngine(STORY)
+    plane, ledger, scheduler = _plane(engine)
+    items = await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me", priority_class="critical"))
+    assert items[:-1] == ["Once", " upon", " a time"]
+    finished = items[-1]
+    assert isinstance(finished, Finished)
+    assert finished.finish_reason is FinishReason.LENGTH
+    assert (finished.usage.prompt_tokens, finished.usage.completion_tokens) == (7, 4)
+    day = ledger.day_summary("acme", "2026-01-01")
+    assert (day.requests, day.prompt_tokens, day.completion_tokens) == (1, 7, 4)
+    # Dispatched at the class's level, for Triton and for the engine's own scheduler.
+    sent = engine.requests[0]
+    assert sent.parameters["priority"].uint64_param == 1
+    assert sent.parameters["vllm_priority"].int64_param == 1
+    assert scheduler.snapshot().in_flight.get("smollm2", 0) == 0
+    # The permit was released: max_concurrent=1 admits the next call.
+    assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="Again"))) == 4
+
+
+async def test_chat_is_rendered_with_the_template() -> None:
+    engine = FakeEngine(STORY)
+    plane, _, _ = _plane(engine)
+    await _collect(plane, GenerationCall(model="smollm2", messages=(ChatMessage(Role.USER, "Hi"),)))
+    text_input = engine.requests[0].raw_input_contents[0][4:].decode()
+    assert text_input == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -> None:
+    engine = FakeEngine(STORY)
+    engine.hold.clear()  # the engine is still generating when the caller leaves
+    plane, ledger, scheduler = _plane(engine)
+    items = plane.generate(KEY, GenerationCall(model="smollm2", prompt="Tell me"))
+    assert await anext(items) == "Once"
+    assert await anext(items) == " upon"
+    assert scheduler.snapshot().in_flight["smollm2"] == 1
+    await items.aclose()  # what grpc's cancellation of the servicer leads to
+    assert engine.closed == 1, "the upstream stream must be closed (cancelled)"
+    assert scheduler.snapshot().in_flight.get("smollm2", 0) == 0
+    day = ledger.day_summary("acme", "2026-01-01")
+    assert (day.requests, day.completion_tokens) == (1, 2)
+    engine.hold.set()
+    assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="Again"))) == 4
+
+
+async def test_engine_failure_before_any_output_costs_nothing() -> None:
+    engine = FakeEngine(STORY, fail_first=InvalidArgument("model 'smollm2': prompt too long"))
+    plane, ledger, _ = _plane(engine, tokens_per_minute=100)
+    with pytest.raises(InvalidArgument, match="too long"):
+        await _collect(plane, GenerationCall(model="smollm2", prompt="x", max_tokens=90))
+    assert ledger.day_summary("acme", "2026-01-01").requests == 0
+    # Nothing was charged: the whole bucket is there for the next call.
+    assert isinstance((await _collect(plane, GenerationCall(model="smollm2", prompt="x", max_tokens=90)))[-1], Finished)
+
+
+async def test_daily_budget_refuses_before_dispatch() -> None:
+    engine = FakeEngine(STORY)
+    plane, _, _ = _plane(engine, daily_token_budget=20)
+    await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me"))  # 11 tokens used
+    with pytest.raises(QuotaExceeded) as refused:
+        await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me", max_tokens=8))
+    assert "daily_token_budget 20 has 9 tokens left" in refused.value.violations[0].description
+    assert refused.value.retry_after_s > 0
+    assert len(engine.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (GenerationCall(model="smollm2"), InvalidArgument, "prompt"),
+        (GenerationCall(model="smollm2", prompt="x", max_tokens=0), InvalidArgument, "max_tokens"),
+        (GenerationCall(model="smollm2", prompt="x", temperature=-1), InvalidArgument, "temperature"),
+        (GenerationCall(model="smollm2", prompt="x", top_p=1.5), InvalidArgument, "top_p"),
+        (GenerationCall(model="smollm2", prompt="x", stop=("",)), InvalidArgument, "stop"),
+        (GenerationCall(model="minilm", prompt="x"), PermissionDenied, "minilm"),
+    ],
+)
+async def test_bad_calls_are_refused_before_admission(call: GenerationCall, error: type[Exception], words: str) -> None:
+    engine = FakeEngine(STORY)
+    plane, _, _ = _plane(engine)
+    with pytest.raises(error, match=words):
+        await _collect(plane, call)
+    assert not engine.requests
+    assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="fine"))) == 4
