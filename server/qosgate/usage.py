@@ -14,13 +14,13 @@ day when first asked, so budget checks cost no query.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from qosgate.auth import Tenant
+from qosgate.database import open_database
 from qosgate.quota.tokens import utc_day
 
 _SCHEMA = """
@@ -91,16 +91,10 @@ class UsageLedger:
     def __init__(self, path: Path | str, *, wall_time: Callable[[], float]) -> None:
         """Open (creating if needed) the ledger at `path`; `wall_time` gives Unix seconds."""
         self._wall_time = wall_time
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
         # One connection behind a lock: writes are tiny and serialized anyway, and the
         # batch runner may record from another thread.
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = open_database(path, _SCHEMA)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
         self._day_totals: dict[tuple[str, str], UsageSummary] = {}
 
     def close(self) -> None:

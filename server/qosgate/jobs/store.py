@@ -6,9 +6,8 @@ results are keyed by (job, custom_id). A kill -9 leaves at most the items that w
 model in `running`; `recover()` puts them back to `pending`, so they run again and their
 first (only) result is the one recorded.
 
-Durability: WAL with synchronous=NORMAL, as the usage ledger: a commit survives the death
-of the process (the OS holds the write); only an OS crash may drop the last commits,
-which then behave like items that were in flight.
+Durability (see `qosgate.database`): a commit survives a kill -9; only an OS crash may
+drop the last commits, which then behave like items that were in flight.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from qosgate.database import open_database
 from qosgate.errors import InvalidArgument, NotFound, QuotaExceeded, QuotaViolation
 from qosgate.jobs.model import (
     ClaimedItem,
@@ -90,15 +90,8 @@ class JobStore:
     def __init__(self, path: Path | str, *, wall_time: Callable[[], float]) -> None:
         """Open (creating if needed) the store at `path`; `wall_time` gives Unix seconds."""
         self._wall_time = wall_time
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = open_database(path, _SCHEMA)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
         with self._lock:
