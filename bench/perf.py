@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from bench.stats import percentile
 from bench.tools import perf_analyzer
 
 
@@ -67,17 +68,9 @@ def measure(
     return summarise(concurrency, experiment)
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (q in 0..100)."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[rank]
-
-
 def summarise(concurrency: int, experiment: dict[str, Any]) -> PerfPoint:
     requests = experiment["requests"]
-    latencies = sorted((r["response_timestamps"][-1] - r["timestamp"]) / 1e3 for r in requests)
+    latencies = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e3 for r in requests]
     # The export's window boundaries are whole-second marks; the requests' own timestamps
     # bound the measured interval exactly.
     start = min(r["timestamp"] for r in requests)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -191,6 +192,21 @@ class Stack:
         assert self.triton is not None
         return self.triton.ports.grpc_url
 
+    def pending(self, model: str) -> int:
+        """Requests Triton holds for `model` (queued or executing), from its metrics."""
+        assert self.triton is not None
+        url = f"http://{LOOPBACK}:{self.triton.ports.metrics}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        prefix = f'nv_inference_pending_request_count{{model="{model}"'
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(prefix))
+
+    def wait_idle(self, model: str, timeout: float = 120.0) -> None:
+        """Let Triton drain what an earlier phase left queued, so phases do not overlap."""
+        deadline = time.monotonic() + timeout
+        while self.pending(model) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def __enter__(self) -> Stack:
         self._exit.__enter__()
         try:
@@ -248,9 +264,18 @@ class Stack:
         return self.gateway_url
 
 
-def leftover_processes(pgids: Sequence[int]) -> list[int]:
-    """Process groups from this run that still have a live member (should be none)."""
-    return [pgid for pgid in pgids if group_alive(pgid)]
+def leftover_processes(pgids: Sequence[int], grace: float = 15.0) -> list[int]:
+    """Process groups from this run that still have a member after `grace` seconds.
+
+    Killed members can take a few seconds to be reaped (vLLM's EngineCore exits slowly on
+    a busy machine), so only what outlives the grace counts as left behind.
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        left = [pgid for pgid in pgids if group_alive(pgid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,208 @@
+"""isolation: a `batch`-class flood at 2x and 4x capacity next to a steady `critical`
+stream, on minilm (request latency) and smollm2 (time to first token); through qosgate
+and, as the reference, the same load straight at Triton with Triton's own priority
+levels set per request (the best Triton alone can do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Callable
+
+from bench import load, plots
+from bench.report import Aim, Figure, ScenarioResult
+from bench.scenarios import RunContext
+from bench.stack import Stack, checked, gateway_available
+from bench.stats import percentile
+
+log = logging.getLogger(__name__)
+
+CRITICAL = load.Caller("critical", api_key="bench-critical-key", klass="critical")
+BATCH = load.Caller("batch", api_key="bench-batch-key", klass="batch")
+DIRECT_CRITICAL = load.Caller("critical", triton_priority=1)
+DIRECT_BATCH = load.Caller("batch", triton_priority=4)
+TENANTS = [
+    {"name": "critical-app", "api_keys": [{"key": CRITICAL.api_key}],
+     "default_class": "critical", "max_class": "critical"},
+    {"name": "batch-app", "api_keys": [{"key": BATCH.api_key}], "default_class": "batch", "max_class": "batch"},
+]
+LOADS = (0, 2, 4)  # flood as a multiple of measured capacity; 0 = unloaded
+CAPACITY_DEPTH = 64  # minilm batches up to 32
+
+
+@dataclasses.dataclass(slots=True)
+class Phase:
+    """One target at one flood level: what the critical and batch callers saw."""
+
+    model: str
+    target: str
+    load: int
+    seconds: float
+    critical: list[load.Outcome]
+    batch: list[load.Outcome]
+
+    def critical_latency(self) -> list[float]:
+        """Seconds to the first token for streams, to the reply otherwise."""
+        return [(o.ttft if o.token_times else o.latency) or 0.0 for o in self.critical if o.ok]
+
+    def row(self) -> dict[str, object]:
+        lat = self.critical_latency()
+        refused = collections.Counter(o.code for o in self.critical + self.batch if not o.ok)
+        return {
+            "model": self.model, "target": self.target, "flood": f"{self.load}x",
+            "critical p50 ms": percentile(lat, 50) * 1e3, "critical p99 ms": percentile(lat, 99) * 1e3,
+            "critical ok": len(lat), "critical refused": sum(not o.ok for o in self.critical),
+            "batch goodput/s": round(sum(o.ok for o in self.batch) / self.seconds, 2),
+            "refusals by code": ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none",
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """How one model is loaded: request builders and the critical stream's rate."""
+
+    model: str
+    make: Callable[[int], object]  # Triton priority -> request (0 = none)
+    streaming: bool
+    critical_rate: float
+    timeout: float
+
+
+def embedding(priority: int) -> object:
+    return load.embedding_request("minilm", "How does a gateway keep critical traffic fast?", priority)
+
+
+def generation(priority: int) -> object:
+    return load.generation_request("smollm2", "Write a short note about batch inference.", 16, priority)
+
+
+async def capacity(target: load.Target, work: Workload, caller: load.Caller, seconds: float) -> float:
+    """Completed requests per second with a closed loop deep enough to fill batches twice."""
+    request = work.make(caller.triton_priority)
+    send = _sender(target, work, caller, request)
+    begin = target.now()
+    done = await load.closed_loop(send, CAPACITY_DEPTH, begin + seconds, target.now)
+    return sum(o.ok for o in done) / max(target.now() - begin, 1e-9)
+
+
+def _sender(target: load.Target, work: Workload, caller: load.Caller, request: object
+            ) -> load.Send:
+    call = target.stream if work.streaming else target.infer
+    return lambda: call(caller, request, work.timeout)  # type: ignore[arg-type]
+
+
+async def run_phase(target: load.Target, name: str, work: Workload, flood: int, cap: float,
+                    seconds: float, critical: load.Caller, batch: load.Caller) -> Phase:
+    until = target.now() + seconds
+    crit_send = _sender(target, work, critical, work.make(critical.triton_priority))
+    jobs = [load.open_loop(crit_send, work.critical_rate, until, target.now, seed=1)]
+    if flood:
+        batch_send = _sender(target, work, batch, work.make(batch.triton_priority))
+        jobs.append(load.open_loop(batch_send, flood * cap, until, target.now, seed=2))
+    results = await asyncio.gather(*jobs)
+    phase = Phase(work.model, name, flood, seconds, results[0], results[1] if flood else [])
+    log.info("%s", phase.row())
+    return phase
+
+
+async def measure_model(stack: Stack, work: Workload, seconds: float, cap_seconds: float
+                        ) -> tuple[float, list[Phase]]:
+    targets = [("direct", stack.triton_url, DIRECT_CRITICAL, DIRECT_BATCH)]
+    if stack.gateway_url:
+        targets.append(("qosgate", stack.gateway_url, CRITICAL, BATCH))
+    phases = []
+    direct = load.Target(stack.triton_url)
+    try:
+        cap = await capacity(direct, work, DIRECT_BATCH, cap_seconds)
+    finally:
+        await direct.close()
+    log.info("%s capacity %.1f req/s", work.model, cap)
+    for name, url, critical, batch in targets:
+        target = load.Target(url)
+        try:
+            for flood in LOADS:
+                await asyncio.to_thread(stack.wait_idle, work.model)
+                phases.append(await run_phase(target, name, work, flood, cap, seconds, critical, batch))
+        finally:
+            await target.close()
+    return cap, phases
+
+
+def run(ctx: RunContext) -> ScenarioResult:
+    seconds = ctx.pick(8.0, 30.0)
+    works = [
+        Workload("minilm", embedding, streaming=False, critical_rate=3.0, timeout=10.0),
+        Workload("smollm2", generation, streaming=True, critical_rate=0.5, timeout=60.0),
+    ]
+    phases: list[Phase] = []
+    capacities: dict[str, float] = {}
+    notes = [f"{seconds:.0f} s per phase; floods are Poisson open loops at the multiple of the capacity "
+             f"measured first (closed loop, {CAPACITY_DEPTH} deep, straight at Triton); critical: Poisson "
+             + ", ".join(f"{w.critical_rate}/s on {w.model}" for w in works)
+             + "; smollm2 streams of 16 tokens (ignore_eos); direct = Triton priority 1 (critical) / 4 (batch)."]
+    for work in works:
+        with checked(Stack(models=[work.model])) as stack:
+            if gateway_available():
+                stack.start_gateway(tenants=TENANTS)
+            cap, model_phases = asyncio.run(measure_model(stack, work, seconds, ctx.pick(5.0, 15.0)))
+        capacities[work.model] = cap
+        phases += model_phases
+    if not gateway_available():
+        notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
+    notes.append("capacity: " + ", ".join(f"{m} {c:.1f} req/s" for m, c in capacities.items()))
+    return ctx.result(figures(phases), {"phases": [p.row() for p in phases]}, notes,
+                      plot=lambda path: draw(phases, path))
+
+
+def figures(phases: list[Phase]) -> list[Figure]:
+    by = {(p.model, p.target, p.load): p for p in phases}
+    out = []
+    for model in dict.fromkeys(p.model for p in phases):
+        metric = "TTFT" if model == "smollm2" else "latency"
+        ratios = {}
+        for target in ("direct", "qosgate"):
+            base, top = by.get((model, target, 0)), by.get((model, target, LOADS[-1]))
+            if base and top:
+                ratios[target] = percentile(top.critical_latency(), 99) / percentile(base.critical_latency(), 99)
+        ref = f"Triton alone {ratios['direct']:.2f}x" if "direct" in ratios else ""
+        out.append(Figure(f"{model}: critical p99 {metric} at {LOADS[-1]}x flood / unloaded",
+                          ratios.get("qosgate"), "x", Aim("<=", 1.5), reference=ref))
+        top = by.get((model, "qosgate", LOADS[-1]))
+        direct_top = by.get((model, "direct", LOADS[-1]))
+        out.append(Figure(
+            f"{model}: critical refusals at {LOADS[-1]}x flood",
+            None if top is None else float(sum(not o.ok for o in top.critical)), "", Aim("<=", 0.0),
+            reference="" if direct_top is None else
+            f"Triton alone {sum(not o.ok for o in direct_top.critical)}"))
+    return out
+
+
+def draw(phases: list[Phase], path: pathlib.Path) -> None:
+    models = list(dict.fromkeys(p.model for p in phases))
+    fig, axes = plots.panels(2 * len(models))
+    for i, model in enumerate(models):
+        lat_ax, good_ax = axes[2 * i], axes[2 * i + 1]
+        for target, style in (("direct", "--"), ("qosgate", "-")):
+            mine = [p for p in phases if p.model == model and p.target == target]
+            if not mine:
+                continue
+            xs = [p.load for p in mine]
+            for q in (50, 99):
+                lat_ax.plot(xs, [percentile(p.critical_latency(), q) * 1e3 for p in mine], style,
+                            marker="o", label=f"{target} critical p{q}")
+            good_ax.plot(xs, [sum(o.ok for o in p.batch) / p.seconds for p in mine], style,
+                         marker="o", label=f"{target} batch goodput")
+        metric = "TTFT" if model == "smollm2" else "latency"
+        lat_ax.set_title(f"{model}: critical {metric}")
+        lat_ax.set_ylabel("ms")
+        lat_ax.set_yscale("log")
+        good_ax.set_title(f"{model}: batch goodput")
+        good_ax.set_ylabel("ok req/s")
+        for ax in (lat_ax, good_ax):
+            ax.set_xlabel("batch flood (x capacity)")
+            ax.legend(fontsize=7)
+    plots.save(fig, path)
