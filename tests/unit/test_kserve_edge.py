@@ -1,0 +1,173 @@
+"""The KServe edge against an in-process fake Triton: what arrives upstream, and what the
+caller gets back, over real gRPC channels.
+
+The fake records each request as Triton would parse it (protobuf merge semantics), so the
+appended priority/timeout/id fragments are checked end to end, and it reports when its
+stream is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from qosgate.app import Gateway
+from qosgate.config import parse_config
+
+KEY = "unit-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+
+
+class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Answers ModelInfer at once; in streams sends `chunks` responses per request, then
+    (as a decoupled model that ends without a response) an empty final one if asked."""
+
+    def __init__(self, chunks: int = 2, endless: bool = False) -> None:
+        self.requests: list[service_pb2.ModelInferRequest] = []
+        self.time_remaining: list[float | None] = []
+        self.stream_cancelled = asyncio.Event()
+        self.chunks = chunks
+        self.endless = endless
+
+    async def ServerReady(self, request, context):  # noqa: N802 - the RPC's name
+        return service_pb2.ServerReadyResponse(ready=True)
+
+    async def ModelInfer(self, request, context):  # noqa: N802
+        self.requests.append(request)
+        self.time_remaining.append(context.time_remaining())
+        return service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+
+    async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+        try:
+            async for request in request_iterator:
+                self.requests.append(request)
+                count = 10**9 if self.endless else self.chunks
+                for _ in range(count):
+                    response = service_pb2.ModelStreamInferResponse()
+                    response.infer_response.id = request.id
+                    response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+                    response.infer_response.parameters["triton_final_response"].bool_param = False
+                    await context.write(response)
+                    if self.endless:
+                        await asyncio.sleep(0.01)
+                if request.parameters["triton_enable_empty_final_response"].bool_param:
+                    final = service_pb2.ModelStreamInferResponse()
+                    final.infer_response.id = request.id
+                    final.infer_response.parameters["triton_final_response"].bool_param = True
+                    await context.write(final)
+        except asyncio.CancelledError:
+            self.stream_cancelled.set()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def gateway_before(fake: FakeTriton) -> AsyncIterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    upstream = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(fake, upstream)
+    port = upstream.add_insecure_port("127.0.0.1:0")
+    await upstream.start()
+    config = parse_config(
+        {
+            "listen": "127.0.0.1:0",
+            "upstreams": [{"name": "fake", "url": f"127.0.0.1:{port}"}],
+            "tenants": [{"name": "t", "api_keys": [{"key": KEY}], "max_class": "critical"}],
+        }
+    )
+    gateway = Gateway(config, serve_metrics=False)
+    await gateway.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    finally:
+        await gateway.stop(grace_s=0)
+        await upstream.stop(None)
+
+
+async def test_priority_and_timeout_reach_triton_and_override_the_callers() -> None:
+    fake = FakeTriton()
+    async with gateway_before(fake) as stub:
+        request = service_pb2.ModelInferRequest(model_name="m", id="a")
+        request.parameters["priority"].uint64_param = 4  # the caller's own wish loses
+        request.parameters["custom"].string_param = "kept"
+        metadata = AUTH + (("x-priority", "critical"),)
+        reply = await stub.ModelInfer(request, metadata=metadata, timeout=20)
+    assert reply.id == "a"
+    seen = fake.requests[0]
+    assert seen.parameters["priority"].uint64_param == 1  # critical = level 1
+    timeout_us = seen.parameters["timeout"].int64_param
+    assert 15_000_000 < timeout_us <= 20_000_000
+    assert seen.parameters["custom"].string_param == "kept"
+    # The gRPC deadline travels too.
+    assert fake.time_remaining[0] is not None and 15 < fake.time_remaining[0] <= 20
+
+
+async def test_without_a_deadline_no_timeout_is_set() -> None:
+    fake = FakeTriton()
+    async with gateway_before(fake) as stub:
+        await stub.ModelInfer(service_pb2.ModelInferRequest(model_name="m"), metadata=AUTH)
+    assert "timeout" not in fake.requests[0].parameters
+    assert fake.requests[0].parameters["priority"].uint64_param == 3  # default class standard
+
+
+@pytest.mark.parametrize("caller_wants_empty_final", [False, True])
+async def test_stream_ids_restored_and_injected_empty_final_hidden(caller_wants_empty_final: bool) -> None:
+    fake = FakeTriton(chunks=2)
+    async with gateway_before(fake) as stub:
+        requests = []
+        for rid in ("x", "y"):
+            request = service_pb2.ModelInferRequest(model_name="m", id=rid)
+            if caller_wants_empty_final:
+                request.parameters["triton_enable_empty_final_response"].bool_param = True
+            requests.append(request)
+        responses = [r async for r in stub.ModelStreamInfer(iter(requests), metadata=AUTH, timeout=20)]
+    # Upstream saw gateway ids, and was always asked for the empty final response.
+    assert all(r.id.startswith("qg") for r in fake.requests)
+    assert all(r.parameters["triton_enable_empty_final_response"].bool_param for r in fake.requests)
+    per_id = {rid: [r for r in responses if r.infer_response.id == rid] for rid in ("x", "y")}
+    expected = 3 if caller_wants_empty_final else 2
+    assert [len(v) for v in per_id.values()] == [expected, expected]
+    assert len(responses) == 2 * expected
+
+
+async def test_closing_the_stream_cancels_the_upstream_stream() -> None:
+    fake = FakeTriton(endless=True)
+    async with gateway_before(fake) as stub:
+
+        async def one_request_then_wait():
+            yield service_pb2.ModelInferRequest(model_name="m", id="long")
+            await asyncio.Event().wait()
+
+        call = stub.ModelStreamInfer(one_request_then_wait(), metadata=AUTH)
+        received = 0
+        async for response in call:
+            assert response.infer_response.id == "long"
+            received += 1
+            if received == 3:
+                call.cancel()
+                break
+        await asyncio.wait_for(fake.stream_cancelled.wait(), timeout=10)
+
+
+async def test_cancelling_a_unary_call_cancels_upstream() -> None:
+    release = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    class SlowTriton(FakeTriton):
+        async def ModelInfer(self, request, context):  # noqa: N802
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return service_pb2.ModelInferResponse()
+
+    async with gateway_before(SlowTriton()) as stub:
+        call = stub.ModelInfer(service_pb2.ModelInferRequest(model_name="m"), metadata=AUTH)
+        await asyncio.sleep(0.3)
+        call.cancel()
+        await asyncio.wait_for(cancelled.wait(), timeout=10)
