@@ -171,3 +171,21 @@ async def test_cancelling_a_unary_call_cancels_upstream() -> None:
         await asyncio.sleep(0.3)
         call.cancel()
         await asyncio.wait_for(cancelled.wait(), timeout=10)
+
+
+async def test_stream_refusal_in_band_or_as_status_with_triton_grpc_error() -> None:
+    fake = FakeTriton()
+    request = service_pb2.ModelInferRequest(model_name="m", id="r9")
+    async with gateway_before(fake) as stub:
+        metadata = AUTH + (("x-priority", "gold"),)
+        responses = [r async for r in stub.ModelStreamInfer(iter([request]), metadata=metadata, timeout=20)]
+        assert [(r.infer_response.id, r.error_message.split(":")[0]) for r in responses] == [
+            ("r9", "INVALID_ARGUMENT")
+        ]
+        call = stub.ModelStreamInfer(
+            iter([request]), metadata=metadata + (("triton_grpc_error", "true"),), timeout=20
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            _ = [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fake.requests == []  # nothing refused reached Triton
