@@ -166,6 +166,11 @@ class ModelPolicy(_Frozen):
     messages into the prompt, or the name of a built-in one (`chatml`)."""
     default_max_tokens: int = Field(default=256, ge=1)
     """Generation API only: max_tokens of requests that set none."""
+    default_temperature: float | None = Field(default=None, ge=0)
+    """Generation API only: temperature of requests that set none (0 = greedy); unset:
+    the engine's own default."""
+    default_top_p: float | None = Field(default=None, gt=0, le=1)
+    """Generation API only: top_p of requests that set none; unset: the engine's default."""
 
     @field_validator("chat_template")
     @classmethod

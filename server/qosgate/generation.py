@@ -217,8 +217,8 @@ class GenerationPlane:
             raise InvalidArgument("sampling.stop must not contain empty strings")
         sampling = Sampling(
             max_tokens=max_tokens,
-            temperature=call.temperature,
-            top_p=call.top_p,
+            temperature=policy.default_temperature if call.temperature is None else call.temperature,
+            top_p=policy.default_top_p if call.top_p is None else call.top_p,
             top_k=call.top_k,
             seed=call.seed,
             stop=call.stop,

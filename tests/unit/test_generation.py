@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import struct
 from collections.abc import AsyncGenerator
 
@@ -74,7 +75,9 @@ STORY = [_response("Once", 1), _response(" upon", 1), _response(" a time", 2, fi
 def _plane(engine: FakeEngine, **limits: int) -> tuple[GenerationPlane, UsageLedger, Scheduler]:
     config = parse_config(
         {
-            "models": {"smollm2": {"dispatch_window": 1, "default_max_tokens": 4}},
+            "models": {
+                "smollm2": {"dispatch_window": 1, "default_max_tokens": 4, "default_temperature": 0.0}
+            },
             "tenants": [
                 {
                     "name": "acme",
@@ -122,6 +125,8 @@ async def test_stream_yields_deltas_then_usage_and_records_it() -> None:
     sent = engine.requests[0]
     assert sent.parameters["priority"].uint64_param == 1
     assert sent.parameters["vllm_priority"].int64_param == 1
+    # The model's defaults fill what the call left unset.
+    assert json.loads(sent.raw_input_contents[2][4:]) == {"max_tokens": 4, "temperature": 0.0}
     assert scheduler.snapshot().in_flight.get("smollm2", 0) == 0
     # The permit was released: max_concurrent=1 admits the next call.
     assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="Again"))) == 4
