@@ -202,9 +202,10 @@ class BatchConfig(_Frozen):
     priority_class: str | None = None
     """Class that batch items are scheduled at; default: the lowest class, so every other
     class wins the dispatch windows."""
-    max_in_flight: int = Field(default=8, ge=1)
-    """Batch items handed to the scheduler at a time (over all jobs); enough to fill the
-    dispatch windows when they are idle, few enough to keep the class queue short."""
+    max_in_flight: int = Field(default=4, ge=1)
+    """Batch items handed to the scheduler at a time (over all jobs). Below the models'
+    dispatch windows, so an interactive request finds a free slot instead of waiting for
+    a batch item to finish; enough to keep the engine's batches busy when idle."""
     max_attempts: int = Field(default=5, ge=1)
     """Dispatches of an item before a transient error (UNAVAILABLE, DEADLINE_EXCEEDED,
     INTERNAL) becomes its final result; quota refusals do not count."""

@@ -20,9 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import free_port, require_model
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from qosgate.launcher import LocalTriton
 from qosgate.v1 import batch_pb2, generation_pb2
 from qosgate_client import Client, ClientError
@@ -105,7 +104,7 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
         ],
         "batch": {
             "db": str(tmp_path / "batch.sqlite3"),
-            "max_in_flight": 8,
+            "max_in_flight": 4,
             "retry_base_delay_s": 0.2,
             "callback_allowlist": [ALLOWED_HOOKS],
             "tenants": {"globex": {"max_queued_items": 5}},
@@ -137,7 +136,9 @@ def submit(client: Client, items: list[batch_pb2.BatchItem], **header: str) -> b
     return client.create_batch(batch_pb2.BatchHeader(model="smollm2", **header), items)
 
 
-def wait_done(client: Client, batch_id: str, at_least: int | None = None, timeout_s: float = 300.0) -> batch_pb2.Batch:
+def wait_done(
+    client: Client, batch_id: str, at_least: int | None = None, timeout_s: float = 300.0
+) -> batch_pb2.Batch:
     """Poll until the job finishes (or, with `at_least`, until that many items are done)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -154,7 +155,10 @@ def wait_done(client: Client, batch_id: str, at_least: int | None = None, timeou
 def interactive_latency(client: Client) -> float:
     started = time.perf_counter()
     client.generate(
-        "smollm2", "What is the capital of France?", max_tokens=8, temperature=0.0,
+        "smollm2",
+        "What is the capital of France?",
+        max_tokens=8,
+        temperature=0.0,
         priority_class="interactive",
     )
     return time.perf_counter() - started
@@ -166,7 +170,10 @@ def test_500_items_complete_once_each_while_interactive_stays_fast(gateway: Gate
         batch = submit(client, generation_items(500))
         assert batch.counts.total == 500
         loaded = []
-        while client.get_batch(batch.id).status != batch_pb2.BATCH_STATUS_COMPLETED and len(loaded) < 10:
+        while (
+            client.get_batch(batch.id).status != batch_pb2.BATCH_STATUS_COMPLETED
+            and len(loaded) < 10
+        ):
             loaded.append(interactive_latency(client))
         batch = wait_done(client, batch.id)
         results = list(client.batch_results(batch.id))
@@ -184,7 +191,9 @@ def test_500_items_complete_once_each_while_interactive_stays_fast(gateway: Gate
     assert factor < GENEROUS_FACTOR
 
 
-def test_kill_9_midway_then_restart_gives_exactly_one_result_per_item(gateway: GatewayProcess) -> None:
+def test_kill_9_midway_then_restart_gives_exactly_one_result_per_item(
+    gateway: GatewayProcess,
+) -> None:
     total = 120
     with Client(gateway.target, ACME_KEY) as client:
         batch = submit(client, generation_items(total, max_tokens=4))
@@ -213,7 +222,9 @@ def test_cancel_stops_dispatch_within_a_second_and_keeps_results(gateway: Gatewa
         time.sleep(1.0)
         later = client.get_batch(batch.id)
         results = list(client.batch_results(batch.id))
-    print(f"\ncancel: job stopped {stopped_s * 1000:.0f} ms after CancelBatch, {done_at_cancel} items done")
+    print(
+        f"\ncancel: job stopped {stopped_s * 1000:.0f} ms after CancelBatch, {done_at_cancel} items done"
+    )
     assert batch.status == batch_pb2.BATCH_STATUS_CANCELLED
     assert stopped_s < 1.0
     assert later.counts == batch.counts  # nothing dispatched after the cancel
@@ -221,7 +232,9 @@ def test_cancel_stops_dispatch_within_a_second_and_keeps_results(gateway: Gatewa
     assert len(results) == done_at_cancel >= 10
 
 
-def test_submit_refuses_bad_callbacks_and_limits_and_hides_other_tenants(gateway: GatewayProcess) -> None:
+def test_submit_refuses_bad_callbacks_and_limits_and_hides_other_tenants(
+    gateway: GatewayProcess,
+) -> None:
     with Client(gateway.target, ACME_KEY) as acme, Client(gateway.target, GLOBEX_KEY) as globex:
         with pytest.raises(ClientError) as refused:
             submit(acme, generation_items(2), callback_url="http://127.0.0.1:8001/steal")
@@ -241,7 +254,12 @@ def test_submit_refuses_bad_callbacks_and_limits_and_hides_other_tenants(gateway
 def run_cli(gateway: GatewayProcess, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "QOSGATE_API_KEY": ACME_KEY, "QOSGATE_TARGET": gateway.target}
     return subprocess.run(
-        [str(BIN / "qosgate-client"), *args], env=env, capture_output=True, text=True, timeout=300
+        [str(BIN / "qosgate-client"), *args],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -260,7 +278,12 @@ def test_cli_walkthrough_and_malformed_file(gateway: GatewayProcess, tmp_path: P
     good = tmp_path / "requests.jsonl"
     good.write_text(
         "".join(
-            json.dumps({"custom_id": f"q{n}", "generate": {"prompt": f"Say {n}", "sampling": {"max_tokens": 2}}})
+            json.dumps(
+                {
+                    "custom_id": f"q{n}",
+                    "generate": {"prompt": f"Say {n}", "sampling": {"max_tokens": 2}},
+                }
+            )
             + "\n"
             for n in range(20)
         )

@@ -6,14 +6,14 @@ from __future__ import annotations
 import struct
 
 import pytest
-from tritonclient.grpc import service_pb2
-
 from qosgate.auth import TenantDirectory
 from qosgate.config import parse_config
 from qosgate.embedding import EmbeddingPlane
 from qosgate.errors import InvalidArgument, PermissionDenied
 from qosgate.quota import Admission, InMemoryQuotaStore
 from qosgate.scheduler import Scheduler
+from tritonclient.grpc import service_pb2
+
 from tests.fakes import FakeClock
 
 CONFIG = parse_config(

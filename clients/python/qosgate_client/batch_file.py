@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf import json_format
-
 from qosgate.v1 import batch_pb2
 
 
@@ -35,7 +34,9 @@ class BatchFileError(Exception):
     def __init__(self, path: Path, problems: list[LineProblem]) -> None:
         shown = "\n".join(f"  {p}" for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        super().__init__(f"{path}: {len(problems)} invalid line(s), nothing was submitted:\n{shown}{more}")
+        super().__init__(
+            f"{path}: {len(problems)} invalid line(s), nothing was submitted:\n{shown}{more}"
+        )
         self.problems = problems
 
 

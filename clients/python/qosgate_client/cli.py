@@ -7,17 +7,18 @@ from --target or QOSGATE_TARGET (default 127.0.0.1:50051).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import IO, TextIO
 
 from google.protobuf import json_format
-
 from qosgate.v1 import batch_pb2, generation_pb2
+
 from qosgate_client.batch_file import BatchFileError, check_batch_file, read_batch_items
 from qosgate_client.client import DEFAULT_TARGET, Client, ClientError
 
@@ -164,18 +165,19 @@ def _batch_list(client: Client, args: argparse.Namespace) -> int:
 
 
 def _batch_results(client: Client, args: argparse.Namespace) -> int:
-    out = open(args.out, "a" if args.offset else "w", encoding="utf-8") if args.out else sys.stdout
     written = 0
-    try:
+    with contextlib.ExitStack() as stack:
+        out: IO[str] = sys.stdout
+        if args.out:
+            # Resuming from an offset appends to what an earlier run wrote.
+            mode = "a" if args.offset else "w"
+            out = stack.enter_context(open(args.out, mode, encoding="utf-8"))
         for result in client.batch_results(args.batch_id, offset=args.offset, follow=args.follow):
             out.write(
                 json_format.MessageToJson(result, preserving_proto_field_name=True, indent=None)
                 + "\n"
             )
             written += 1
-    finally:
-        if out is not sys.stdout:
-            out.close()
     if args.out:
         print(f"{written} result(s) written to {args.out}", file=sys.stderr)
     return 0

@@ -8,13 +8,12 @@ status code, message and server-suggested retry delay.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
 from qosgate.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -38,9 +37,7 @@ ROLES = {
     "assistant": generation_pb2.ROLE_ASSISTANT,
 }
 
-_Request = TypeVar(
-    "_Request", generation_pb2.GenerateRequest, generation_pb2.GenerateStreamRequest
-)
+_Request = TypeVar("_Request", generation_pb2.GenerateRequest, generation_pb2.GenerateStreamRequest)
 
 
 class ClientError(Exception):
@@ -148,7 +145,7 @@ class Client:
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._batch = batch_pb2_grpc.BatchServiceStub(self._channel)
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -262,7 +259,9 @@ class Client:
         """A job's status and counts."""
         return self._unary(self._batch.GetBatch, batch_pb2.GetBatchRequest(batch_id=batch_id)).batch
 
-    def list_batches(self, page_size: int = 0, page_token: str = "") -> batch_pb2.ListBatchesResponse:
+    def list_batches(
+        self, page_size: int = 0, page_token: str = ""
+    ) -> batch_pb2.ListBatchesResponse:
         """One page of the caller's jobs, newest first."""
         return self._unary(
             self._batch.ListBatches,

@@ -40,7 +40,9 @@ class ItemExecutor(Protocol):
     the scheduler and the upstream; returns the serialized response or raises a
     GatewayError."""
 
-    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str) -> bytes: ...
+    async def execute(
+        self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str
+    ) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +155,9 @@ class JobRunner:
                     continue
                 claimed = True
                 self._rotation += 1
-                task = asyncio.create_task(self._run_item(item), name=f"batch item {item.custom_id}")
+                task = asyncio.create_task(
+                    self._run_item(item), name=f"batch item {item.custom_id}"
+                )
                 self._in_flight[task] = item
             if not claimed:
                 return

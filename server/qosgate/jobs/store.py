@@ -467,9 +467,7 @@ class JobStore:
         return self._job(db, job_id) if finished else None
 
     def _visible_job(self, db: sqlite3.Connection, tenant: str, job_id: str) -> Job:
-        row = db.execute(
-            "SELECT tenant, status FROM batch_jobs WHERE id = ?", (job_id,)
-        ).fetchone()
+        row = db.execute("SELECT tenant, status FROM batch_jobs WHERE id = ?", (job_id,)).fetchone()
         # Another tenant's job reads exactly like a missing one: ids must not leak.
         if row is None or row[0] != tenant or row[1] == JobStatus.UPLOADING.value:
             raise NotFound(f"no batch {job_id!r}")

@@ -212,10 +212,14 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
             index = 0
             async for chunk in chunks:
                 if chunk.WhichOneof("chunk") != "items":
-                    raise errors.InvalidArgument("only the first CreateBatch message may carry a header")
+                    raise errors.InvalidArgument(
+                        "only the first CreateBatch message may carry a header"
+                    )
                 items = []
                 for item in chunk.items.items:
-                    items.append(new_item(index, item, header, tenant, self._directory.require_model))
+                    items.append(
+                        new_item(index, item, header, tenant, self._directory.require_model)
+                    )
                     index += 1
                 self._store.add_items(job_id, items, limits=limits)
             return self._store.seal_job(job_id)

@@ -37,7 +37,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         self._directory = directory
         self._now = clock_now
 
-    async def Embed(  # noqa: N802 - gRPC method name
+    async def Embed(
         self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> embedding_pb2.EmbedResponse:
         try:
@@ -68,7 +68,9 @@ class PoolEngineInfer:
         upstream = self._pool.pick()
         with upstream.lease():
             try:
-                raw = await upstream.unary("ModelInfer")(request.SerializeToString(), timeout=timeout_s)
+                raw = await upstream.unary("ModelInfer")(
+                    request.SerializeToString(), timeout=timeout_s
+                )
             except grpc.aio.AioRpcError as e:
                 raise upstream_error(self._pool, upstream, e) from e
         return service_pb2.ModelInferResponse.FromString(raw)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from qosgate_client.batch_file import BatchFileError, check_batch_file, read_batch_items
 
 GOOD = [
     '{"custom_id": "q1", "generate": {"prompt": "Hello", "sampling": {"max_tokens": 8}}}',
-    '{"custom_id": "q2", "generate": {"model": "smollm2", "chat": {"messages": '
-    '[{"role": "ROLE_USER", "content": "Hi"}]}}}',
+    (
+        '{"custom_id": "q2", "generate": {"model": "smollm2", "chat": {"messages": '
+        '[{"role": "ROLE_USER", "content": "Hi"}]}}}'
+    ),
     "",
     '{"custom_id": "e1", "embed": {"model": "minilm", "inputs": ["a", "b"]}}',
 ]

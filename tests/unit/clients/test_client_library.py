@@ -12,7 +12,6 @@ import pytest
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
 from qosgate_client import Client, ClientError
 
@@ -40,9 +39,7 @@ class RecordingGeneration(generation_pb2_grpc.GenerationServiceServicer):
         words = request.chat.messages[-1].content.split() if request.HasField("chat") else []
         for word in words:
             yield generation_pb2.GenerateStreamResponse(text=word + " ")
-        yield generation_pb2.GenerateStreamResponse(
-            finish_reason=generation_pb2.FINISH_REASON_STOP
-        )
+        yield generation_pb2.GenerateStreamResponse(finish_reason=generation_pb2.FINISH_REASON_STOP)
 
 
 @pytest.fixture

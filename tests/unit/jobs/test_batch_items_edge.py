@@ -4,11 +4,11 @@ wire form of stored results (error class name → gRPC code through the one tabl
 from __future__ import annotations
 
 import pytest
-
 from qosgate.errors import InvalidArgument, PermissionDenied
 from qosgate.jobs.model import ItemError, ItemKind, ItemResult
 from qosgate.services.batch import new_item, result_message
 from qosgate.v1 import batch_pb2, embedding_pb2, generation_pb2
+
 from tests.fakes import make_tenant
 
 TENANT = make_tenant("acme", models=("smollm2", "minilm"))

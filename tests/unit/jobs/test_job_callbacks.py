@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from qosgate.errors import InvalidArgument
 from qosgate.jobs.callbacks import CallbackPolicy
 

@@ -15,6 +15,7 @@ from qosgate.errors import InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.jobs.model import ItemKind, Job, JobLimits, JobStatus, NewItem
 from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.store import JobStore
+
 from tests.fakes import make_tenant
 
 LIMITS = JobLimits(max_queued_items=1000, retention_s=3600.0)
@@ -96,7 +97,9 @@ async def until_finished(store: JobStore, job_id: str, timeout_s: float = 10.0) 
     raise AssertionError(f"job not finished: {store.get_job('a', job_id)}")
 
 
-def make(tmp_path: Path, executor: ScriptedExecutor, **kwargs: object) -> tuple[JobStore, JobRunner]:
+def make(
+    tmp_path: Path, executor: ScriptedExecutor, **kwargs: object
+) -> tuple[JobStore, JobRunner]:
     store = JobStore(tmp_path / "jobs.db", wall_time=time.time)
     runner = JobRunner(
         store,

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from qosgate.errors import InvalidArgument, NotFound, QuotaExceeded
 from qosgate.jobs.model import ItemError, ItemKind, JobLimits, JobStatus, NewItem
 from qosgate.jobs.store import JobStore
