@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 PRIORITY_PARAMETER = "vllm_priority"
 # How often queued or running requests are checked for client cancellation: a
 # cancelled request costs at most this much engine time before it is aborted.
-CANCEL_POLL_S = 0.05
+CANCEL_POLL_S = 0.1
 # Keys a client may not set: the backend owns how outputs are delivered, and one
 # request yields one completion (send n requests for n completions).
 RESERVED_SAMPLING_KEYS = frozenset({"output_kind", "skip_clone", "n"})
@@ -235,7 +235,7 @@ class TritonEngineMetricFamilies:
         )
         self._finished_family = pb_utils.MetricFamily(
             "vllm_engine_requests_finished_total",
-            "Requests the engine finished, by reason (stop, length, abort, error)",
+            "Requests the engine finished, by finish reason (aborted ones are not reported)",
             counter,
         )
         self.running = self._running_family.Metric(labels=self._labels)

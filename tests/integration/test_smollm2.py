@@ -1,0 +1,308 @@
+"""smollm2 through tritonclient against a real tritonserver running our vllm backend.
+
+Everything here talks to the session's LocalTriton (tests/conftest.py); run with
+QOSGATE_TEST_MODELS=smollm2 to start only this model. The engine's own counters are read
+from Triton's metrics endpoint (vllm_engine_*), so cancellation is checked where it
+matters: in the engine, not in the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from conftest import require_model
+from qosgate.launcher import LocalTriton
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2"
+# SmolLM2-Instruct's chat template, written out: the backend takes a raw prompt.
+FRANCE = (
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def smollm2(triton: LocalTriton) -> LocalTriton:
+    require_model(MODEL)
+    return triton
+
+
+@dataclasses.dataclass(slots=True)
+class Chunk:
+    """One response of a generation stream."""
+
+    text: str
+    final: bool
+    finish_reason: str | None
+    num_output_tokens: int | None
+    num_input_tokens: int | None
+
+
+def _tensor(name: str, datatype: str, value: object) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], datatype)
+    tensor.set_data_from_numpy(np.array([value], dtype=triton_to_np_dtype(datatype)))
+    return tensor
+
+
+def generation_inputs(prompt: str, *, stream: bool, sampling: dict | None = None) -> list[grpcclient.InferInput]:
+    inputs = [
+        _tensor("text_input", "BYTES", prompt.encode()),
+        _tensor("stream", "BOOL", stream),
+        _tensor("exclude_input_in_output", "BOOL", True),
+        _tensor("return_finish_reason", "BOOL", True),
+        _tensor("return_num_input_tokens", "BOOL", True),
+        _tensor("return_num_output_tokens", "BOOL", True),
+    ]
+    if sampling is not None:
+        inputs.append(_tensor("sampling_parameters", "BYTES", json.dumps(sampling).encode()))
+    return inputs
+
+
+def _chunk(result: grpcclient.InferResult) -> Chunk:
+    def first(name: str) -> object | None:
+        values = result.as_numpy(name)
+        return None if values is None or values.size == 0 else values.reshape(-1)[0]
+
+    text = first("text_output")
+    reason = first("finish_reason")
+    out_tokens = first("num_output_tokens")
+    in_tokens = first("num_input_tokens")
+    return Chunk(
+        text=text.decode() if isinstance(text, bytes) else "",
+        final=result.get_response().parameters["triton_final_response"].bool_param,
+        finish_reason=reason.decode() or None if isinstance(reason, bytes) else None,
+        num_output_tokens=int(out_tokens) if out_tokens is not None else None,
+        num_input_tokens=int(in_tokens) if in_tokens is not None else None,
+    )
+
+
+class StreamCall:
+    """One gRPC bidi stream carrying one request; iterate its chunks, or cancel it."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, inputs: list, parameters: dict | None = None) -> None:
+        self._done = asyncio.Event()
+        self._responses = client.stream_infer(
+            self._requests(inputs, parameters), stream_timeout=300
+        )
+
+    async def _requests(self, inputs: list, parameters: dict | None) -> AsyncIterator[dict]:
+        yield {
+            "model_name": MODEL,
+            "inputs": inputs,
+            "parameters": parameters,
+            "enable_empty_final_response": True,
+        }
+        # Keep our half of the stream open until the final response arrived.
+        await self._done.wait()
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        try:
+            async for result, error in self._responses:
+                if error is not None:
+                    raise error
+                chunk = _chunk(result)
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            self._done.set()
+
+    def cancel(self) -> None:
+        self._done.set()
+        self._responses.cancel()
+
+
+async def generate(inputs: list, parameters: dict | None = None, *, url: str) -> list[Chunk]:
+    async with grpcclient.InferenceServerClient(url) as client:
+        return [chunk async for chunk in StreamCall(client, inputs, parameters).chunks()]
+
+
+def engine_metrics(triton: LocalTriton) -> dict[str, float]:
+    """vllm_engine_* samples from Triton's metrics endpoint, keyed by name{labels}."""
+    url = f"http://127.0.0.1:{triton.ports.metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^(vllm_engine_\w+)\{([^}]*)\}\s+(\S+)$", line)
+        if match and f'model="{MODEL}"' in match.group(2):
+            reason = re.search(r'reason="(\w+)"', match.group(2))
+            key = match.group(1) + (f"[{reason.group(1)}]" if reason else "")
+            samples[key] = float(match.group(3))
+    return samples
+
+
+async def test_greedy_answer_mentions_paris(smollm2: LocalTriton) -> None:
+    chunks = await generate(
+        generation_inputs(FRANCE, stream=False, sampling={**GREEDY, "max_tokens": 32}),
+        url=smollm2.ports.grpc_url,
+    )
+    assert len(chunks) == 1 and chunks[0].final
+    assert "Paris" in chunks[0].text, chunks[0].text
+    assert chunks[0].finish_reason in {"stop", "length"}
+    assert chunks[0].num_input_tokens and chunks[0].num_input_tokens > 5
+
+
+async def test_prompt_is_repeated_unless_excluded(smollm2: LocalTriton) -> None:
+    inputs = generation_inputs(FRANCE, stream=False, sampling={**GREEDY, "max_tokens": 4})
+    inputs = [i for i in inputs if i.name() != "exclude_input_in_output"]
+    (chunk,) = await generate(inputs, url=smollm2.ports.grpc_url)
+    assert chunk.text.startswith(FRANCE) and len(chunk.text) > len(FRANCE)
+
+
+async def test_stream_yields_deltas_then_final_and_counts_tokens(smollm2: LocalTriton) -> None:
+    sampling = {**GREEDY, "max_tokens": 24, "ignore_eos": True}
+    url = smollm2.ports.grpc_url
+    streamed = await generate(generation_inputs(FRANCE, stream=True, sampling=sampling), url=url)
+    (whole,) = await generate(generation_inputs(FRANCE, stream=False, sampling=sampling), url=url)
+
+    assert len(streamed) >= 5, "streaming must deliver several chunks"
+    assert [c.final for c in streamed] == [False] * (len(streamed) - 1) + [True]
+    assert sum(1 for c in streamed if c.text) >= 5
+    assert streamed[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in streamed[:-1])
+    # Each response counts the tokens of its delta; together: every token generated.
+    assert sum(c.num_output_tokens or 0 for c in streamed) == 24 == whole.num_output_tokens
+    assert "".join(c.text for c in streamed) == whole.text
+
+
+async def test_cancelled_stream_is_aborted_in_the_engine(smollm2: LocalTriton) -> None:
+    budget = 1500  # about a minute of decoding here, if nothing stopped it
+    tokens, running = "vllm_engine_generation_tokens_total", "vllm_engine_requests_running"
+    before = engine_metrics(smollm2)
+    async with grpcclient.InferenceServerClient(smollm2.ports.grpc_url) as client:
+        call = StreamCall(
+            client,
+            generation_inputs(FRANCE, stream=True, sampling={"max_tokens": budget, "ignore_eos": True}),
+        )
+        received = 0
+        with pytest.raises(asyncio.CancelledError):
+            async for _ in call.chunks():
+                received += 1
+                if received == 3:
+                    # The engine reports the request in its running batch...
+                    assert engine_metrics(smollm2)[running] == 1
+                    call.cancel()
+    assert received == 3
+
+    # ...and, once the backend saw the cancellation and aborted it, no longer.
+    deadline = time.monotonic() + 15
+    while (after := engine_metrics(smollm2))[running] != 0:
+        assert time.monotonic() < deadline, f"the engine still runs the cancelled request: {after}"
+        await asyncio.sleep(0.1)
+    # Stopped for good: no decode steps for it any more.
+    await asyncio.sleep(1.0)
+    settled = engine_metrics(smollm2)
+    assert settled[tokens] == after[tokens]
+    assert settled[tokens] - before.get(tokens, 0) < budget / 10
+
+
+async def test_32_concurrent_streams_all_complete(smollm2: LocalTriton) -> None:
+    sampling = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "seed": 1}
+    questions = [f"<|im_start|>user\nCount to {n}.<|im_end|>\n<|im_start|>assistant\n" for n in range(32)]
+    started = time.monotonic()
+    results = await asyncio.gather(
+        *(
+            generate(generation_inputs(q, stream=True, sampling=sampling), url=smollm2.ports.grpc_url)
+            for q in questions
+        )
+    )
+    elapsed = time.monotonic() - started
+    for chunks in results:
+        assert chunks[-1].final and chunks[-1].finish_reason == "length"
+        assert sum(c.num_output_tokens or 0 for c in chunks) == 32
+    print(f"32 streams x 32 tokens in {elapsed:.1f}s")
+
+
+MALFORMED = {
+    "wrong dtype": (
+        lambda: [_tensor("text_input", "INT32", 7)],
+        r"text_input.*(data ?type|datatype|INT32)",
+    ),
+    "missing text_input": (
+        lambda: [_tensor("stream", "BOOL", False)],
+        r"text_input",
+    ),
+    "bad sampling JSON": (
+        lambda: [
+            _tensor("text_input", "BYTES", b"hi"),
+            _tensor("sampling_parameters", "BYTES", b"{max_tokens: 4"),
+        ],
+        r"sampling_parameters is not valid JSON",
+    ),
+    "unknown sampling key": (
+        lambda: [
+            _tensor("text_input", "BYTES", b"hi"),
+            _tensor("sampling_parameters", "BYTES", b'{"max_tokenz": 4}'),
+        ],
+        r"unknown sampling parameter\(s\) max_tokenz",
+    ),
+    "max_tokens beyond the model length": (
+        lambda: [
+            _tensor("text_input", "BYTES", b"hi"),
+            _tensor("sampling_parameters", "BYTES", b'{"max_tokens": 100000}'),
+        ],
+        r"max_tokens=100000 exceeds the model's maximum length max_model_len=2048",
+    ),
+    "invalid sampling value": (
+        lambda: [
+            _tensor("text_input", "BYTES", b"hi"),
+            _tensor("sampling_parameters", "BYTES", b'{"temperature": -1}'),
+        ],
+        r"temperature must be non-negative",
+    ),
+    "non-integer priority": (
+        lambda: [_tensor("text_input", "BYTES", b"hi")],
+        r"vllm_priority must be an integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_malformed_request_is_refused_and_model_keeps_serving(smollm2: LocalTriton, case: str) -> None:
+    make_inputs, message = MALFORMED[case]
+    parameters = {"vllm_priority": "high"} if case == "non-integer priority" else None
+    with pytest.raises(InferenceServerException) as refused:
+        await generate(make_inputs(), parameters, url=smollm2.ports.grpc_url)
+    assert re.search(message, refused.value.message()), refused.value.message()
+
+    chunks = await generate(
+        generation_inputs(FRANCE, stream=False, sampling={**GREEDY, "max_tokens": 2}),
+        url=smollm2.ports.grpc_url,
+    )
+    assert chunks[-1].final and chunks[-1].num_output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"text_input": "hi", "sampling_parameters": "{oops"}, "not valid JSON"),
+        ({"text_input": "hi", "sampling_parameters": '{"max_tokens": 100000}'}, "exceeds"),
+        ({"stream": False}, "text_input"),
+    ],
+)
+def test_refusals_are_invalid_argument_class(smollm2: LocalTriton, body: dict, message: str) -> None:
+    # gRPC stream errors carry only a message; Triton's HTTP generate endpoint shows
+    # the class: INVALID_ARG becomes 400 (INTERNAL would be 500).
+    url = f"http://127.0.0.1:{smollm2.ports.http}/v2/models/{MODEL}/generate"
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400
+    assert message in refused.value.read().decode()
