@@ -1,0 +1,121 @@
+"""llm: streaming generation on smollm2 at several concurrencies, straight at Triton and
+through qosgate (KServe ModelStreamInfer on both, so the client is the same): output
+tokens/s, time to first token and inter-token latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pathlib
+
+from bench import load, plots
+from bench.report import Aim, Figure, ScenarioResult
+from bench.scenarios import RunContext
+from bench.stack import Stack, checked, gateway_available
+from bench.stats import percentile
+
+log = logging.getLogger(__name__)
+
+MODEL = "smollm2"
+MAX_TOKENS = 32
+API_KEY = "bench-llm-key"
+TENANTS = [{"name": "llm", "api_keys": [{"key": API_KEY}]}]
+
+
+@dataclasses.dataclass(slots=True)
+class Point:
+    """One target at one concurrency."""
+
+    target: str
+    concurrency: int
+    seconds: float
+    outcomes: list[load.Outcome]
+    window: tuple[float, float]
+
+    def tokens_per_s(self) -> float:
+        lo, hi = self.window
+        return sum(lo <= t < hi for o in self.outcomes for t in o.token_times) / self.seconds
+
+    def ttft_ms(self) -> list[float]:
+        return [o.ttft * 1e3 for o in self.outcomes if o.ok and o.ttft is not None]
+
+    def itl_ms(self) -> list[float]:
+        return [gap * 1e3 for o in self.outcomes if o.ok for gap in o.inter_token()]
+
+    def row(self) -> dict[str, object]:
+        ttft, itl = self.ttft_ms(), self.itl_ms()
+        return {"target": self.target, "concurrency": self.concurrency,
+                "tokens/s": round(self.tokens_per_s(), 1),
+                "TTFT p50 ms": percentile(ttft, 50), "TTFT p99 ms": percentile(ttft, 99),
+                "ITL p50 ms": percentile(itl, 50), "ITL p99 ms": percentile(itl, 99),
+                "streams ok": sum(o.ok for o in self.outcomes),
+                "failed": sum(not o.ok for o in self.outcomes)}
+
+
+async def measure(url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
+    target = load.Target(url)
+    request = load.generation_request(MODEL, "Explain what a load balancer does, in detail.", MAX_TOKENS)
+    try:
+        begin = target.now()
+        outcomes = await load.closed_loop(lambda: target.stream(caller, request, 120.0),
+                                          concurrency, begin + seconds, target.now)
+    finally:
+        await target.close()
+    point = Point(name, concurrency, seconds, outcomes, (begin, begin + seconds))
+    log.info("%s", point.row())
+    return point
+
+
+def run(ctx: RunContext) -> ScenarioResult:
+    levels: list[int] = ctx.pick([1, 8, 32], [1, 2, 4, 8, 16, 32])
+    seconds = ctx.pick(10.0, 30.0)
+    notes = [f"{MAX_TOKENS}-token streams (ignore_eos, greedy), closed loop, {seconds:.0f} s per point; "
+             "tokens/s counts tokens received inside the window; qosgate: smollm2 dispatch window 64."]
+    points: list[Point] = []
+    with checked(Stack(models=[MODEL])) as stack:
+        targets = [("direct", stack.triton_url, load.Caller("direct"))]
+        if gateway_available():
+            url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
+            targets.append(("qosgate", url, load.Caller("qosgate", api_key=API_KEY)))
+        else:
+            notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
+        for concurrency in levels:
+            for name, url, caller in targets:
+                stack.wait_idle(MODEL)
+                points.append(asyncio.run(measure(url, name, caller, concurrency, seconds)))
+    by = {(p.target, p.concurrency): p for p in points}
+    top = levels[-1]
+    direct, via = by[("direct", top)], by.get(("qosgate", top))
+    figures = [Figure(
+        f"tokens/s through qosgate / direct, concurrency {top}",
+        None if via is None else 100 * via.tokens_per_s() / direct.tokens_per_s(), "%", Aim(">=", 97.0),
+        reference=f"direct {direct.tokens_per_s():.1f} tokens/s"
+        + ("" if via is None else f", qosgate {via.tokens_per_s():.1f}"))]
+    if via is not None:
+        figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", percentile(via.ttft_ms(), 50), "ms",
+                              reference=f"direct {percentile(direct.ttft_ms(), 50):.0f} ms"))
+    return ctx.result(figures, {"streams": [p.row() for p in points]}, notes,
+                      plot=lambda path: draw(points, path))
+
+
+def draw(points: list[Point], path: pathlib.Path) -> None:
+    fig, (tps, ttft, itl) = plots.panels(3)
+    for target, style in (("direct", "--"), ("qosgate", "-")):
+        mine = [p for p in points if p.target == target]
+        if not mine:
+            continue
+        xs = [p.concurrency for p in mine]
+        tps.plot(xs, [p.tokens_per_s() for p in mine], style, marker="o", label=target)
+        for q in (50, 99):
+            ttft.plot(xs, [percentile(p.ttft_ms(), q) for p in mine], style, marker="o", label=f"{target} p{q}")
+            itl.plot(xs, [percentile(p.itl_ms(), q) for p in mine], style, marker="o", label=f"{target} p{q}")
+    for ax, title, unit in ((tps, "output tokens/s", "tokens/s"), (ttft, "time to first token", "ms"),
+                            (itl, "inter-token latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(unit)
+        ax.set_title(f"smollm2: {title}")
+        ax.legend(fontsize=7)
+    plots.save(fig, path)
