@@ -288,15 +288,21 @@ def test_cli_walkthrough_and_malformed_file(gateway: GatewayProcess, tmp_path: P
             for n in range(20)
         )
     )
-    submitted = run_cli(gateway, "batch", "submit", str(good), "--model", "smollm2", "--wait")
+    submitted = run_cli(gateway, "batch", "submit", str(good), "--model", "smollm2")
     assert submitted.returncode == 0, submitted.stderr
     batch_id = submitted.stdout.split()[0]
-    assert "completed" in submitted.stdout and "succeeded=20" in submitted.stdout
+    assert "20/20 items sent" in submitted.stderr
+    # --follow streams results while the job runs and ends when it has finished.
     out = tmp_path / "results.jsonl"
-    fetched = run_cli(gateway, "batch", "results", batch_id, "--out", str(out))
+    fetched = run_cli(gateway, "batch", "results", batch_id, "--follow", "--out", str(out))
     assert fetched.returncode == 0, fetched.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["custom_id"] for line in lines) == sorted(f"q{n}" for n in range(20))
     assert all("generation" in line for line in lines)
-    status = run_cli(gateway, "batch", "status", batch_id)
+    resumed = run_cli(gateway, "batch", "results", batch_id, "--offset", "15")
+    assert [json.loads(line)["custom_id"] for line in resumed.stdout.splitlines()] == [
+        line["custom_id"] for line in lines[15:]
+    ]
+    status = run_cli(gateway, "batch", "status", batch_id, "--wait")
     assert status.returncode == 0 and "completed" in status.stdout
+    assert "succeeded=20" in status.stdout
