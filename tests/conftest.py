@@ -14,7 +14,7 @@ import pytest
 
 from qosgate.launcher import LocalTriton, TritonPorts
 
-DEFAULT_TEST_MODELS = "smollm2,minilm,identity"
+DEFAULT_TEST_MODELS = "smollm2,smollm2_trtllm,minilm,identity"
 
 
 def free_port() -> int:
