@@ -12,7 +12,7 @@ MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
 
-.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench lint clean
+.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench bench-quick lint clean
 
 setup: venv protos models tools
 
@@ -65,8 +65,19 @@ test: setup node-deps lint-protos
 test-unit: venv protos
 	$(PY) -m pytest -q tests/unit
 
-bench: setup
+BENCH_DEPS := $(VENV)/.bench-installed
+
+$(BENCH_DEPS): $(STAMP)
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
+# The full suite (about half an hour here); `make bench-quick` runs each scenario for about
+# a minute and rewrites README's performance section from what it measured.
+bench: setup $(BENCH_DEPS)
 	$(PY) -m bench all
+
+bench-quick: setup $(BENCH_DEPS)
+	$(PY) -m bench all --quick --update-readme
 
 clean:
 	rm -rf $(VENV) .cache server/qosgate/v1

@@ -161,10 +161,15 @@ def render(results: Sequence[ScenarioResult]) -> str:
             lines += [f"**{name}**", "", *_table(rows), ""]
     lines += ["## Aims (issue 6)", ""]
     for result in results:
+        profiles = [name for name in result.tables if "profile" in name]
         for fig in result.figures:
             if fig.aim is not None:
+                where = ""
+                if fig.met is False and profiles:
+                    where = f"; where the time goes: {result.scenario} section, tables " + ", ".join(
+                        f"'{name}'" for name in profiles)
                 lines.append(f"- {result.scenario}: {fig.label}: {format_value(fig.value, fig.unit)} "
-                             f"against {aim_text(fig)}: {verdict(fig)}")
+                             f"against {aim_text(fig)}: {verdict(fig)}{where}")
     return "\n".join(lines) + "\n"
 
 

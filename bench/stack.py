@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -227,6 +228,8 @@ class Stack:
             self._own_dir.cleanup()
 
     def start_nginx(self) -> str:
+        if shutil.which("nginx") is None:
+            raise RuntimeError("nginx is not installed: apt-get install nginx-light (see .ci/run)")
         directory = self.dir / "nginx"
         directory.mkdir(exist_ok=True)
         port = free_port()

@@ -12,16 +12,18 @@ swamp the hop being measured. Triton ignores the priority the gateway sets on it
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import pathlib
 import tempfile
+import time
 from collections.abc import Callable
 
 import tritonclient.grpc as grpcclient
 
-from bench import perf, plots, repository
-from bench.report import Aim, Figure, ScenarioResult
+from bench import perf, plots, profile, repository
+from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import GroupProcess, Stack, checked, gateway_available
 
@@ -72,12 +74,29 @@ def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None
     return Sample(target, point, cpu_us)
 
 
+def profile_gateway(stack: Stack, url: str, concurrency: int, rate: float, seconds: float
+                    ) -> profile.Profile:
+    """py-spy on the gateway while perf_analyzer keeps it as busy as in the measured run
+    (a separate run: sampling perturbs the figures a little)."""
+    settings = perf.PerfSettings(requests=int(rate * (seconds + 3)))
+    assert stack.gateway is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(perf.measure, url=url, model=MODEL, concurrency=concurrency, settings=settings,
+                           shape=SHAPE, headers=(f"authorization:Bearer {API_KEY}",))
+        time.sleep(1.0)
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        found = profile.record(stack.gateway.pgid, seconds, RESULTS_DIR / "overhead-gateway.pyspy.txt")
+        busy.result()
+    return found
+
+
 def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 4, 16], [1, 2, 4, 8, 16, 32])
     settings = perf.PerfSettings(requests=ctx.pick(5000, 20000))
     notes = [f"identity model (FP32[16]) without Triton priority levels (see module doc), perf_analyzer 2.51.0 closed loop, "
              f"{settings.requests} requests per point; nginx 1 worker with grpc_pass and upstream keepalive."]
     samples: list[tuple[int, Sample]] = []
+    found: profile.Profile | None = None
     with tempfile.TemporaryDirectory(prefix="identity-") as tmp:
         repo = pathlib.Path(tmp)
         repository.write_variant(repo, MODEL, MODEL, without_priorities)
@@ -93,8 +112,17 @@ def run(ctx: RunContext) -> ScenarioResult:
                 # Targets interleave at each level so machine drift hits them alike.
                 for name, url, hop in targets:
                     samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
-    return ctx.result(*summarise(samples, levels), notes=notes,
-                      plot=lambda path: draw(samples, path))
+            if stack.gateway is not None and profile.py_spy() is not None:
+                top = samples[-1][1]
+                found = profile_gateway(stack, stack.gateway_url, levels[-1], top.point.throughput,
+                                        ctx.pick(5.0, 15.0))
+                notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {levels[-1]} "
+                             "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
+    figures, tables = summarise(samples, levels)
+    if found is not None:
+        tables["gateway profile, self time"] = found.top(12, inclusive=False)
+        tables["gateway profile, inclusive, qosgate code"] = found.top(12, inclusive=True, within="qosgate/")
+    return ctx.result(figures, tables, notes=notes, plot=lambda path: draw(samples, path))
 
 
 def summarise(samples: list[tuple[int, Sample]], levels: list[int]
