@@ -212,3 +212,35 @@ def test_compose_gateway_config_is_valid() -> None:
     config = load_config(ROOT / "docker/gateway.yaml")
     assert [u.url for u in config.upstreams] == ["triton:8001"]
     assert "llama31_8b_instruct" in config.models and "ensemble" in config.models
+
+
+def _adapter_request(adapter_name: str):
+    """What the gateway's adapter sends to a model, with every optional setting used."""
+    from qosgate.adapters.domain import GenerationRequest, Sampling
+    from qosgate.adapters.trtllm import TrtLlmEnsembleAdapter
+    from qosgate.adapters.vllm import VllmAdapter
+
+    adapter = {"trtllm": TrtLlmEnsembleAdapter, "vllm": VllmAdapter}[adapter_name]()
+    sampling = Sampling(max_tokens=8, temperature=0.5, top_p=0.9, top_k=40, seed=1, stop=("\n",))
+    request = GenerationRequest(model="m", prompt="Hi", sampling=sampling, stream=True)
+    return adapter.encode(request, request_id="r")
+
+
+@pytest.mark.parametrize(
+    ("config", "adapter_name"),
+    [
+        ("docker/models/trtllm/ensemble/config.pbtxt", "trtllm"),
+        ("docker/models/vllm/llama31_8b_instruct/config.pbtxt", "vllm"),
+    ],
+)
+def test_gpu_model_accepts_what_the_gateway_adapter_sends(config: str, adapter_name: str) -> None:
+    model = load(ROOT / config)
+    inputs = {t.name: t for t in model.input}
+    sent = _adapter_request(adapter_name)
+    for tensor in sent.inputs:
+        assert tensor.name in inputs, f"{config} has no input {tensor.name}"
+        expected = model_config_pb2.DataType.Name(inputs[tensor.name].data_type)
+        # KServe names STRING tensors BYTES; the rest share the suffix (TYPE_FP32 ~ FP32).
+        assert expected.removeprefix("TYPE_").replace("STRING", "BYTES") == tensor.datatype
+    required = {name for name, t in inputs.items() if not t.optional}
+    assert required <= {t.name for t in sent.inputs}
