@@ -140,7 +140,7 @@ class Gateway:
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         server.add_generic_rpc_handlers((kserve.rpc_handler(),))
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.generation, clock_now=self.clock.now), server
+            GenerationServicer(self.generation, clock_now=self.clock.now, metrics=self.metrics), server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.directory, self.ledger), server)
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(

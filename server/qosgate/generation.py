@@ -54,6 +54,16 @@ class GenerationCall:
     stream: bool = True
 
 
+@dataclass(slots=True)
+class CallLabels:
+    """Who made a call and how long it queued, filled in as the plane learns it, so the
+    edge can label its metrics however the call ends."""
+
+    tenant: str = ""
+    klass: str = ""
+    queue_wait_s: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Timing:
     """Seconds spent queued in the gateway, to the first text, and in total."""
@@ -111,7 +121,12 @@ class GenerationPlane:
         self._adapters: dict[str, GenerationAdapter] = {}
 
     def generate(
-        self, metadata: Mapping[str, str], call: GenerationCall, *, deadline: float | None = None
+        self,
+        metadata: Mapping[str, str],
+        call: GenerationCall,
+        *,
+        deadline: float | None = None,
+        labels: CallLabels | None = None,
     ) -> AsyncIterator[str | Finished]:
         """Text deltas, then one Finished, for the caller the metadata's key names.
         `deadline` is on the plane's clock.
@@ -119,16 +134,26 @@ class GenerationPlane:
         Close the iterator when done with it (`contextlib.aclosing`): that is what
         releases the request's slot and quotas when the caller stops early.
         """
-        return self.generate_for(self._directory.identify(metadata), call, deadline=deadline)
+        labels = labels if labels is not None else CallLabels()
+        tenant = self._directory.identify(metadata)
+        labels.tenant = tenant.name
+        return self.generate_for(tenant, call, deadline=deadline, labels=labels)
 
     async def generate_for(
-        self, tenant: Tenant, call: GenerationCall, *, deadline: float | None = None
+        self,
+        tenant: Tenant,
+        call: GenerationCall,
+        *,
+        deadline: float | None = None,
+        labels: CallLabels | None = None,
     ) -> AsyncIterator[str | Finished]:
         """`generate` for a tenant already identified (the batch runner acts for a job's
         tenant, which has no key at hand)."""
         arrived = self._clock.now()
+        labels = labels if labels is not None else CallLabels()
+        labels.tenant = tenant.name
         self._directory.require_model(tenant, call.model)
-        klass = self._directory.resolve_class(tenant, call.priority_class or None)
+        klass = labels.klass = self._directory.resolve_class(tenant, call.priority_class or None)
         policy = self._config.model_policy(call.model)
         request = self._request(call, policy)
         prompt_estimate = estimate_prompt_tokens(request.prompt)
@@ -155,6 +180,7 @@ class GenerationPlane:
             async with self._scheduler.slot(
                 tenant=tenant, klass=klass, model=call.model, deadline=deadline
             ) as dispatch:
+                labels.queue_wait_s = dispatch.queue_wait_s
                 upstream = adapter.encode(request, request_id=request_id)
                 upstream.parameters["priority"].uint64_param = dispatch.priority_level
                 upstream.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = dispatch.priority_level

@@ -180,7 +180,9 @@ def test_over_tokens_per_minute_is_resource_exhausted_with_retry_info(
 
 
 def test_usage_api_equals_the_sum_of_request_usage(
-    generation: generation_pb2_grpc.GenerationServiceStub, admin: admin_pb2_grpc.AdminServiceStub
+    generation: generation_pb2_grpc.GenerationServiceStub,
+    admin: admin_pb2_grpc.AdminServiceStub,
+    gateway: GatewayThread,
 ) -> None:
     before = admin.GetUsage(admin_pb2.GetUsageRequest(), metadata=_metadata(LEDGER_KEY))
     assert before.tenant == "ledger" and not before.HasField("daily_token_budget")
@@ -199,6 +201,11 @@ def test_usage_api_equals_the_sum_of_request_usage(
     assert after.today.prompt_tokens - before.today.prompt_tokens == sum(u.prompt_tokens for u in usages)
     assert after.today.completion_tokens - before.today.completion_tokens == sum(u.completion_tokens for u in usages)
     assert after.this_minute.requests >= len(usages)
+    # The same calls in the gateway's metrics.
+    registry = gateway.gateway.metrics.registry
+    for rpc in ("Generate", "GenerateStream"):
+        labels = {"rpc": rpc, "model": "smollm2", "tenant": "ledger", "class": "standard", "code": "OK"}
+        assert registry.get_sample_value("qosgate_requests_total", labels) == 1, rpc
     # An admin may read it too; another tenant may not.
     as_admin = admin.GetUsage(admin_pb2.GetUsageRequest(tenant="ledger"), metadata=_metadata(ADMIN_KEY))
     assert as_admin.today == after.today

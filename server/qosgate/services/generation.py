@@ -6,6 +6,7 @@ generation on an upstream of the pool, cancelled when the generation is closed e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
@@ -15,7 +16,8 @@ from tritonclient.grpc import service_pb2
 
 from qosgate import errors
 from qosgate.adapters.domain import ChatMessage, FinishReason, Role
-from qosgate.generation import Finished, GenerationCall, GenerationPlane
+from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationPlane
+from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -123,9 +125,25 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Generate and GenerateStream on top of a GenerationPlane."""
 
-    def __init__(self, plane: GenerationPlane, *, clock_now: Callable[[], float]) -> None:
+    def __init__(
+        self, plane: GenerationPlane, *, clock_now: Callable[[], float], metrics: GatewayMetrics
+    ) -> None:
         self._plane = plane
         self._now = clock_now
+        self._metrics = metrics
+
+    def _record(self, rpc: str, model: str, labels: CallLabels, error: BaseException | None) -> None:
+        code = "OK"
+        if isinstance(error, asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED.name
+        elif error is not None:
+            row = status.row_of(error)
+            code = row.code.name
+            if isinstance(error, errors.GatewayError):
+                self._metrics.rejected(row.reason, labels.tenant, labels.klass)
+        if labels.queue_wait_s is not None:
+            self._metrics.queue_wait(labels.klass, labels.tenant, labels.queue_wait_s)
+        self._metrics.request_done(rpc, model, labels.tenant, labels.klass, code)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining = context.time_remaining()
@@ -134,23 +152,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
+        labels = CallLabels()
         try:
             call = to_call(request, stream=False)
             async with contextlib.aclosing(
-                self._plane.generate(_metadata(context), call, deadline=self._deadline(context))
+                self._plane.generate(_metadata(context), call, deadline=self._deadline(context), labels=labels)
             ) as items:
-                return await collect_response(items)
+                response = await collect_response(items)
+        except asyncio.CancelledError as e:
+            self._record("Generate", request.model, labels, e)
+            raise
         except Exception as e:  # domain errors by the table; anything else INTERNAL
+            self._record("Generate", request.model, labels, e)
             await status.abort(context, e)
             raise
+        self._record("Generate", request.model, labels, None)
+        return response
 
     async def GenerateStream(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        labels = CallLabels()
         try:
             call = to_call(request, stream=True)
             async with contextlib.aclosing(
-                self._plane.generate(_metadata(context), call, deadline=self._deadline(context))
+                self._plane.generate(_metadata(context), call, deadline=self._deadline(context), labels=labels)
             ) as items:
                 async for item in items:
                     if isinstance(item, Finished):
@@ -159,9 +185,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         )
                     else:
                         yield generation_pb2.GenerateStreamResponse(text=item)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away mid-stream.
+            self._record("GenerateStream", request.model, labels, asyncio.CancelledError())
+            raise
         except Exception as e:
+            self._record("GenerateStream", request.model, labels, e)
             await status.abort(context, e)
             raise
+        self._record("GenerateStream", request.model, labels, None)
 
 
 class PoolEngineStreams:
