@@ -54,7 +54,7 @@ from qosgate.v1 import (
 
 log = logging.getLogger(__name__)
 
-LOCAL_MODELS = ("smollm2", "minilm", "identity")
+LOCAL_MODELS = ("smollm2", "smollm2_trtllm", "minilm", "identity")
 
 # Same ceiling as Triton's: batches of tensors exceed gRPC's 4 MiB default.
 _SERVER_OPTIONS = (

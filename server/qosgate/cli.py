@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local tritonserver and the gateway together (Ctrl-C stops both)")
     up.add_argument("--config", help="gateway YAML config (default: config/demo.yaml)")
     up.add_argument(
-        "--models", default="smollm2,minilm,identity", help="comma-separated models Triton loads"
+        "--models",
+        default="smollm2,smollm2_trtllm,minilm,identity",
+        help="comma-separated models Triton loads",
     )
     up.set_defaults(func=_up)
 
