@@ -61,7 +61,7 @@ class RetryPolicy:
 
 
 class JobRunner:
-    """Keeps up to `max_in_flight` items dispatched, taking them from jobs in rotation."""
+    """Keeps up to `max_in_flight` items dispatched, taking them from tenants in turn."""
 
     def __init__(
         self,
@@ -90,7 +90,7 @@ class JobRunner:
         self._in_flight: dict[asyncio.Task[None], ClaimedItem] = {}
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
-        self._rotation = 0
+        self._last_tenant = ""
 
     def notify(self) -> None:
         """New work exists (a job was sealed): look for it now rather than at the next poll."""
@@ -140,21 +140,23 @@ class JobRunner:
 
     def _fill(self) -> None:
         while len(self._in_flight) < self._max_in_flight:
-            jobs = self._store.jobs_with_work()
-            if not jobs:
+            work = self._store.work_by_tenant()
+            if not work:
                 return
             claimed = False
-            # One item per job per pass, starting where the last pass stopped, so one huge
-            # job does not hold back the others.
-            start = self._rotation % len(jobs)
-            for job_id in jobs[start:] + jobs[:start]:
+            # One item per tenant per pass, tenants in turn from the one after the last
+            # served, so a tenant with a huge job (or many jobs) does not hold back the
+            # others; within a tenant, its oldest job first.
+            tenants = sorted(work)
+            start = next((i for i, t in enumerate(tenants) if t > self._last_tenant), 0)
+            for tenant in tenants[start:] + tenants[:start]:
                 if len(self._in_flight) >= self._max_in_flight:
                     break
-                item = self._store.claim(job_id)
+                item = next(filter(None, map(self._store.claim, work[tenant])), None)
                 if item is None:
                     continue
                 claimed = True
-                self._rotation += 1
+                self._last_tenant = tenant
                 task = asyncio.create_task(
                     self._run_item(item), name=f"batch item {item.custom_id}"
                 )

@@ -293,16 +293,20 @@ class JobStore:
                 self._settle(db, job_id)
             return requeued
 
-    def jobs_with_work(self) -> list[str]:
-        """Active jobs that have an item eligible for dispatch now, oldest job first."""
+    def work_by_tenant(self) -> dict[str, list[str]]:
+        """Active jobs that have an item eligible for dispatch now, by tenant, each
+        tenant's oldest job first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT j.id FROM batch_jobs j WHERE j.status IN (?, ?) AND EXISTS (SELECT 1"
-                " FROM batch_items i WHERE i.job_id = j.id AND i.state = 'pending'"
+                "SELECT j.tenant, j.id FROM batch_jobs j WHERE j.status IN (?, ?) AND EXISTS"
+                " (SELECT 1 FROM batch_items i WHERE i.job_id = j.id AND i.state = 'pending'"
                 " AND i.not_before <= ?) ORDER BY j.created_at, j.id",
                 (*_ACTIVE, self._wall_time()),
             ).fetchall()
-        return [job_id for (job_id,) in rows]
+        work: dict[str, list[str]] = {}
+        for tenant, job_id in rows:
+            work.setdefault(tenant, []).append(job_id)
+        return work
 
     def next_retry_at(self) -> float | None:
         """The earliest time a backed-off item of an active job becomes eligible."""

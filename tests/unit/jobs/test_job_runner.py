@@ -20,7 +20,7 @@ from tests.fakes import make_tenant
 
 LIMITS = JobLimits(max_queued_items=1000, retention_s=3600.0)
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.02)
-TENANT = make_tenant("a")
+TENANTS = {name: make_tenant(name) for name in ("a", "b")}
 
 
 class ScriptedExecutor:
@@ -64,9 +64,11 @@ class RecordingCallbacks:
         return True
 
 
-def submit(store: JobStore, payloads: list[bytes], callback_url: str = "") -> str:
+def submit(
+    store: JobStore, payloads: list[bytes], callback_url: str = "", tenant: str = "a"
+) -> str:
     job_id = store.begin_job(
-        "a", model="m", description="", callback_url=callback_url, limits=LIMITS
+        tenant, model="m", description="", callback_url=callback_url, limits=LIMITS
     )
     store.add_items(
         job_id,
@@ -104,7 +106,7 @@ def make(
     runner = JobRunner(
         store,
         executor,
-        {"a": TENANT}.get,
+        TENANTS.get,
         wall_time=time.time,
         retry=FAST_RETRY,
         idle_poll_s=0.05,
@@ -126,6 +128,20 @@ async def test_items_run_at_batch_class_within_the_in_flight_bound(tmp_path: Pat
     results = store.results("a", job_id, offset=0, limit=100)
     assert sorted(r.custom_id for r in results) == sorted(f"id{n}" for n in range(20))
     assert {r.payload for r in results} == {f"P{n}".encode() for n in range(20)}
+
+
+async def test_tenants_take_turns_whatever_their_jobs(tmp_path: Path) -> None:
+    executor = ScriptedExecutor(delay_s=0.005)
+    store, runner = make(tmp_path, executor, max_in_flight=2)
+    # Tenant a queued three jobs first; b's one job must not get only a quarter of turns.
+    bigs = [submit(store, [f"a{j}{n}".encode() for n in range(10)], tenant="a") for j in range(3)]
+    small = submit(store, [f"b{n}".encode() for n in range(5)], tenant="b")
+    async with running(runner):
+        for job_id in bigs:
+            await until_finished(store, job_id)
+    order = [payload.decode()[0] for payload, _ in executor.calls]
+    assert order[:10].count("b") == 5, order
+    assert store.get_job("b", small).status is JobStatus.COMPLETED
 
 
 async def test_transient_errors_retry_and_permanent_ones_are_recorded(tmp_path: Path) -> None:

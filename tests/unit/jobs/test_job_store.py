@@ -47,7 +47,7 @@ def test_upload_is_invisible_until_sealed_and_discard_leaves_nothing(store: JobS
     store.add_items(job_id, items("1", "2"), limits=LIMITS)
     with pytest.raises(NotFound):
         store.get_job("a", job_id)
-    assert store.jobs_with_work() == []
+    assert store.work_by_tenant() == {}
     store.discard_job(job_id)
     assert store.list_jobs("a", limit=10) == []
 
@@ -143,7 +143,7 @@ def test_cancel_stops_pending_items_and_waits_for_running_ones(store: JobStore) 
     job = store.cancel_job("a", job_id)
     assert job.status is JobStatus.CANCELLING
     assert job.counts.cancelled == 2 and job.counts.running == 1
-    assert store.jobs_with_work() == []
+    assert store.work_by_tenant() == {}
     finished = store.succeed(running, b"r1")
     assert finished is not None and finished.status is JobStatus.CANCELLED
     assert [r.custom_id for r in store.results("a", job_id, offset=0, limit=10)] == ["1"]
@@ -154,7 +154,7 @@ def test_retry_later_holds_item_until_backoff_passes(store: JobStore, clock: Wal
     item = store.claim(job_id)
     assert item
     store.retry_later(item, clock.t + 5, count_attempt=False)
-    assert store.jobs_with_work() == []
+    assert store.work_by_tenant() == {}
     assert store.next_retry_at() == clock.t + 5
     clock.t += 5
     again = store.claim(job_id)
