@@ -75,7 +75,7 @@ class JobRunner:
         max_in_flight: int = 8,
         retry: RetryPolicy = RetryPolicy(),
         idle_poll_s: float = 5.0,
-        expiry_interval_s: float = 60.0,
+        housekeeping_interval_s: float = 60.0,
     ) -> None:
         self._store = store
         self._executor = executor
@@ -86,9 +86,9 @@ class JobRunner:
         self._max_in_flight = max_in_flight
         self._retry = retry
         self._idle_poll_s = idle_poll_s
-        self._expiry_interval_s = expiry_interval_s
+        self._housekeeping_interval_s = housekeeping_interval_s
         self._in_flight: dict[asyncio.Task[None], ClaimedItem] = {}
-        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._callback_tasks: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._last_tenant = ""
 
@@ -110,14 +110,15 @@ class JobRunner:
         requeued = self._store.recover()
         if requeued:
             log.info("batch runner: %d item(s) re-queued after restart", requeued)
-        for job in self._store.callbacks_due():
-            self._send_callback(job)
-        next_expiry = 0.0
+        next_housekeeping = 0.0
         try:
             while True:
-                if self._wall_time() >= next_expiry:
+                if self._wall_time() >= next_housekeeping:
+                    # Also retries callbacks that failed (or were cut off by a restart).
+                    for job in self._store.callbacks_due():
+                        self._send_callback(job)
                     self._store.expire()
-                    next_expiry = self._wall_time() + self._expiry_interval_s
+                    next_housekeeping = self._wall_time() + self._housekeeping_interval_s
                 self._fill()
                 self._wake.clear()
                 try:
@@ -125,7 +126,7 @@ class JobRunner:
                 except TimeoutError:
                     pass
         finally:
-            tasks = [*self._in_flight, *self._side_tasks]
+            tasks = [*self._in_flight, *self._callback_tasks.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -208,14 +209,17 @@ class JobRunner:
         return self._store.fail(item, ItemError(type(error).__name__, error.message))
 
     def _send_callback(self, job: Job) -> None:
-        if self._callbacks is None:
+        if self._callbacks is None or job.id in self._callback_tasks:
             return
         sender = self._callbacks
 
         async def deliver() -> None:
-            if await sender.send(job):
-                self._store.callback_made(job.id)
+            try:
+                if await sender.send(job):
+                    self._store.callback_made(job.id)
+            finally:
+                del self._callback_tasks[job.id]
 
-        task = asyncio.create_task(deliver(), name=f"batch callback {job.id}")
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        self._callback_tasks[job.id] = asyncio.create_task(
+            deliver(), name=f"batch callback {job.id}"
+        )

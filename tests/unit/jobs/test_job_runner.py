@@ -56,11 +56,17 @@ class ScriptedExecutor:
 
 
 class RecordingCallbacks:
-    def __init__(self) -> None:
+    """Accepts every callback after refusing the first `failures`."""
+
+    def __init__(self, failures: int = 0) -> None:
         self.sent: list[Job] = []
+        self.failures = failures
 
     async def send(self, job: Job) -> bool:
         self.sent.append(job)
+        if self.failures:
+            self.failures -= 1
+            return False
         return True
 
 
@@ -213,3 +219,16 @@ async def test_callback_is_made_once_when_the_job_ends(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
     assert [j.id for j in callbacks.sent] == [job_id]
     assert store.callbacks_due() == []
+
+
+async def test_failed_callback_is_retried_at_housekeeping(tmp_path: Path) -> None:
+    callbacks = RecordingCallbacks(failures=1)
+    store, runner = make(
+        tmp_path, ScriptedExecutor(), callbacks=callbacks, housekeeping_interval_s=0.05
+    )
+    job_id = submit(store, [b"x"], callback_url="http://hooks.local/done")
+    async with running(runner):
+        await until_finished(store, job_id)
+        while store.callbacks_due():
+            await asyncio.sleep(0.01)
+    assert [j.id for j in callbacks.sent] == [job_id, job_id]
