@@ -41,6 +41,14 @@ class Profile:
         return [{"function": frame, "share %": round(100 * n / total, 1)} for frame, n in totals.most_common(count)]
 
 
+    def tables(self) -> dict[str, list[dict[str, object]]]:
+        """The report's two views of a gateway profile."""
+        return {
+            "gateway profile, self time": self.top(12, inclusive=False),
+            "gateway profile, inclusive, qosgate code": self.top(12, inclusive=True, within="qosgate/"),
+        }
+
+
 def py_spy() -> pathlib.Path | None:
     found = pathlib.Path(sys.executable).with_name("py-spy")
     return found if found.exists() else (pathlib.Path(p) if (p := shutil.which("py-spy")) else None)

@@ -92,7 +92,7 @@ def format_value(value: float | None, unit: str) -> str:
     if unit == "x":
         return f"{value:.2f}x"
     magnitude = abs(value)
-    text = f"{value:,.0f}" if magnitude >= 100 else f"{value:.3g}" if magnitude < 1 else f"{value:.1f}"
+    text = f"{value:,.0f}" if magnitude >= 100 else f"{value:.4g}" if magnitude < 1 else f"{value:.1f}"
     return f"{text} {unit}".rstrip()
 
 

@@ -152,8 +152,7 @@ def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib
 
 def gateway_config(*, listen: str, metrics_listen: str, upstream: str,
                    tenants: Sequence[Mapping[str, Any]],
-                   models: Mapping[str, Mapping[str, Any]] | None = None,
-                   scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run."""
     doc: dict[str, Any] = {
         "listen": listen,
@@ -163,8 +162,6 @@ def gateway_config(*, listen: str, metrics_listen: str, upstream: str,
     }
     if models:
         doc["models"] = {name: dict(policy) for name, policy in models.items()}
-    if scheduler:
-        doc["scheduler"] = dict(scheduler)
     return doc
 
 
@@ -175,12 +172,12 @@ class Stack:
     start only when asked for.
     """
 
-    def __init__(self, *, models: Sequence[str], work_dir: pathlib.Path | None = None,
-                 model_repository: pathlib.Path | None = None) -> None:
+    def __init__(self, *, models: Sequence[str], model_repository: pathlib.Path | None = None) -> None:
         self.models = list(models)
         self.model_repository = model_repository
-        self._own_dir = tempfile.TemporaryDirectory(prefix="qosgate-bench-") if work_dir is None else None
-        self.dir = pathlib.Path(self._own_dir.name) if self._own_dir else work_dir  # type: ignore[arg-type]
+        # Configs and logs of this run; the error messages carry the log tails that matter.
+        self._tmp = tempfile.TemporaryDirectory(prefix="qosgate-bench-")
+        self.dir = pathlib.Path(self._tmp.name)
         self.triton: LocalTriton | None = None
         self.nginx: GroupProcess | None = None
         self.gateway: GroupProcess | None = None
@@ -224,8 +221,7 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self._exit.close()
-        if self._own_dir is not None:
-            self._own_dir.cleanup()
+        self._tmp.cleanup()
 
     def start_nginx(self) -> str:
         if shutil.which("nginx") is None:
@@ -244,13 +240,12 @@ class Stack:
         return self.nginx_url
 
     def start_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
-                      models: Mapping[str, Mapping[str, Any]] | None = None,
-                      scheduler: Mapping[str, Any] | None = None) -> str:
+                      models: Mapping[str, Mapping[str, Any]] | None = None) -> str:
         """`qosgate serve` with a config generated for this run; returns its gRPC target."""
         port = free_port()
         doc = gateway_config(
             listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{free_port()}",
-            upstream=self.triton_url, tenants=tenants, models=models, scheduler=scheduler,
+            upstream=self.triton_url, tenants=tenants, models=models,
         )
         path = self.dir / "gateway.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -136,7 +136,7 @@ def run(ctx: RunContext) -> ScenarioResult:
     seconds = ctx.pick(8.0, 30.0)
     works = [
         Workload("minilm", embedding, streaming=False, critical_rate=3.0, timeout=10.0),
-        Workload("smollm2", generation, streaming=True, critical_rate=0.5, timeout=60.0),
+        Workload("smollm2", generation, streaming=True, critical_rate=1.0, timeout=60.0),
     ]
     phases: list[Phase] = []
     capacities: dict[str, float] = {}

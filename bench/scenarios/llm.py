@@ -6,12 +6,13 @@ tokens/s, time to first token and inter-token latency.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import pathlib
 
-from bench import load, plots
-from bench.report import Aim, Figure, ScenarioResult
+from bench import load, plots, profile
+from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import Stack, checked, gateway_available
 from bench.stats import percentile
@@ -68,12 +69,23 @@ async def measure(url: str, name: str, caller: load.Caller, concurrency: int, se
     return point
 
 
+def profile_gateway(stack: Stack, caller: load.Caller, concurrency: int, seconds: float) -> profile.Profile:
+    """py-spy on the gateway during an extra run at `concurrency` (sampling perturbs a little)."""
+    assert stack.gateway is not None
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        found = pool.submit(profile.record, stack.gateway.pgid, seconds, RESULTS_DIR / "llm-gateway.pyspy.txt")
+        asyncio.run(measure(stack.gateway_url, "qosgate (profiled)", caller, concurrency, seconds))
+        return found.result()
+
+
 def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 8, 32], [1, 2, 4, 8, 16, 32])
     seconds = ctx.pick(10.0, 30.0)
     notes = [f"{MAX_TOKENS}-token streams (ignore_eos, greedy), closed loop, {seconds:.0f} s per point; "
              "tokens/s counts tokens received inside the window; qosgate: smollm2 dispatch window 64."]
     points: list[Point] = []
+    found: profile.Profile | None = None
     with checked(Stack(models=[MODEL])) as stack:
         targets = [("direct", stack.triton_url, load.Caller("direct"))]
         if gateway_available():
@@ -85,6 +97,10 @@ def run(ctx: RunContext) -> ScenarioResult:
             for name, url, caller in targets:
                 stack.wait_idle(MODEL)
                 points.append(asyncio.run(measure(url, name, caller, concurrency, seconds)))
+        if stack.gateway is not None and profile.py_spy() is not None:
+            found = profile_gateway(stack, targets[-1][2], levels[-1], ctx.pick(8.0, 15.0))
+            notes.append(f"gateway profile: py-spy, {found.samples} samples during an extra run at "
+                         f"concurrency {levels[-1]}; raw stacks in llm-gateway.pyspy.txt.")
     by = {(p.target, p.concurrency): p for p in points}
     top = levels[-1]
     direct, via = by[("direct", top)], by.get(("qosgate", top))
@@ -96,7 +112,10 @@ def run(ctx: RunContext) -> ScenarioResult:
     if via is not None:
         figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", percentile(via.ttft_ms(), 50), "ms",
                               reference=f"direct {percentile(direct.ttft_ms(), 50):.0f} ms"))
-    return ctx.result(figures, {"streams": [p.row() for p in points]}, notes,
+    tables: dict[str, list[dict[str, object]]] = {"streams": [p.row() for p in points]}
+    if found is not None:
+        tables.update(found.tables())
+    return ctx.result(figures, tables, notes,
                       plot=lambda path: draw(points, path))
 
 

@@ -120,8 +120,7 @@ def run(ctx: RunContext) -> ScenarioResult:
                              "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
     figures, tables = summarise(samples, levels)
     if found is not None:
-        tables["gateway profile, self time"] = found.top(12, inclusive=False)
-        tables["gateway profile, inclusive, qosgate code"] = found.top(12, inclusive=True, within="qosgate/")
+        tables.update(found.tables())
     return ctx.result(figures, tables, notes=notes, plot=lambda path: draw(samples, path))
 
 
