@@ -171,6 +171,10 @@ class ModelPolicy(_Frozen):
     the engine's own default."""
     default_top_p: float | None = Field(default=None, gt=0, le=1)
     """Generation API only: top_p of requests that set none; unset: the engine's default."""
+    tokenizer: str | None = None
+    """Generation API only: the model's tokenizer (a tokenizer.json, its folder, or a
+    Hugging Face model id in the local cache) for exact prompt token counts; unset: an
+    estimate that leans high (the vLLM adapter then takes the engine's count)."""
 
     @field_validator("chat_template")
     @classmethod

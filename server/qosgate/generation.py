@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
+from qosgate import paths
 from qosgate.adapters import GenerationAdapter, adapter_for
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
+from qosgate.adapters.tokenizer import tokenizer_counter
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
 from qosgate.quota import Admission, Refused
-from qosgate.quota.tokens import BudgetReservation, DailyTokenBudget, estimate_prompt_tokens
+from qosgate.quota.tokens import DailyTokenBudget, estimate_prompt_tokens
 from qosgate.scheduler import Scheduler
 from qosgate.usage import UsageLedger, UsageRecord
 
@@ -119,6 +121,12 @@ class GenerationPlane:
         self._clock = clock
         self._templates: dict[str, ChatTemplate] = {}
         self._adapters: dict[str, GenerationAdapter] = {}
+        # Loaded now, so a missing tokenizer stops the gateway at start, not a request.
+        self._prompt_counters: dict[str, Callable[[str], int]] = {
+            model: tokenizer_counter(policy.tokenizer, paths.hf_home())
+            for model, policy in config.models.items()
+            if policy.tokenizer is not None
+        }
 
     def generate(
         self,
@@ -156,7 +164,7 @@ class GenerationPlane:
         klass = labels.klass = self._directory.resolve_class(tenant, call.priority_class or None)
         policy = self._config.model_policy(call.model)
         request = self._request(call, policy)
-        prompt_estimate = estimate_prompt_tokens(request.prompt)
+        prompt_estimate = self._prompt_counters.get(call.model, estimate_prompt_tokens)(request.prompt)
         cost = prompt_estimate + request.sampling.max_tokens
 
         reservation = self._budget.reserve(tenant, cost)

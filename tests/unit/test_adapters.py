@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from qosgate.adapters import adapter_for
 from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
+from qosgate.adapters.tokenizer import TokenizerNotFound, find_tokenizer, tokenizer_counter
 from qosgate.errors import InvalidArgument
 
 
@@ -169,3 +171,29 @@ def test_template_sandbox_blocks_python_internals() -> None:
     sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(InvalidArgument):
         sneaky.render([ChatMessage(Role.USER, "x")])
+
+
+def _tiny_tokenizer(path: Path) -> Path:
+    """A whitespace word-level tokenizer.json: 'a b c' is 3 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path
+
+
+def test_tokenizer_from_a_file_a_folder_or_the_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HOME", raising=False)
+    file = _tiny_tokenizer(tmp_path / "plain" / "tokenizer.json")
+    assert find_tokenizer(str(file), tmp_path) == file
+    assert find_tokenizer(str(file.parent), tmp_path) == file
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123\n")
+    cached = _tiny_tokenizer(repo / "snapshots" / "abc123" / "tokenizer.json")
+    assert find_tokenizer("org/tiny", tmp_path / "hf") == cached
+    assert tokenizer_counter("org/tiny", tmp_path / "hf")("a b zz a") == 4
+    with pytest.raises(TokenizerNotFound, match="org/missing"):
+        find_tokenizer("org/missing", tmp_path / "hf")

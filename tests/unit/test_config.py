@@ -168,7 +168,7 @@ def test_check_config_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(demo)]) == 0
     out = capsys.readouterr().out
     summary = (
-        "3 tenants (1 admin), 4 classes, 2 model policies, 1 upstreams, listen 127.0.0.1:50051"
+        "3 tenants (1 admin), 4 classes, 3 model policies, 1 upstreams, listen 127.0.0.1:50051"
     )
     assert out == f"{demo}: ok: {summary}\n"
     bad = FIXTURES / "errors" / "burst_zero.yaml"
