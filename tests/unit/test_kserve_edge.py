@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.app import Gateway
@@ -65,9 +66,20 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise
 
 
+class EdgeStub(service_pb2_grpc.GRPCInferenceServiceStub):
+    """The KServe stub plus the health stub, on one channel to the gateway."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+
+
 @contextlib.asynccontextmanager
-async def gateway_before(fake: FakeTriton) -> AsyncIterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+async def gateway_before(
+    fake: FakeTriton, on_upstream: Callable[[grpc.aio.Server], None] = lambda _server: None
+) -> AsyncIterator[EdgeStub]:
     upstream = grpc.aio.server()
+    on_upstream(upstream)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(fake, upstream)
     port = upstream.add_insecure_port("127.0.0.1:0")
     await upstream.start()
@@ -78,11 +90,11 @@ async def gateway_before(fake: FakeTriton) -> AsyncIterator[service_pb2_grpc.GRP
             "tenants": [{"name": "t", "api_keys": [{"key": KEY}], "max_class": "critical"}],
         }
     )
-    gateway = Gateway(config, serve_metrics=False)
+    gateway = Gateway(config, serve_metrics=False, health_check_interval_s=0.1)
     await gateway.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            yield EdgeStub(channel)
     finally:
         await gateway.stop(grace_s=0)
         await upstream.stop(None)
@@ -189,3 +201,15 @@ async def test_stream_refusal_in_band_or_as_status_with_triton_grpc_error() -> N
             _ = [r async for r in call]
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fake.requests == []  # nothing refused reached Triton
+
+
+async def test_health_watch_follows_upstream_readiness() -> None:
+    servers: list[grpc.aio.Server] = []
+    async with gateway_before(FakeTriton(), servers.append) as stub:
+        watch = stub.health.Watch(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService"))
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        await servers[0].stop(None)  # Triton goes away
+        second = await asyncio.wait_for(watch.read(), timeout=10)
+        assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
