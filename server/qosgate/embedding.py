@@ -81,7 +81,7 @@ class EmbeddingPlane:
             raise InvalidArgument(f"at most {MAX_INPUTS} inputs per call, got {len(inputs)}")
         self._directory.require_model(tenant, model)
         klass = self._directory.resolve_class(tenant, priority_class)
-        verdict = self._admission.admit(tenant)
+        verdict = await self._admission.admit(tenant)
         if isinstance(verdict, Refused):
             raise verdict.error()
         try:
@@ -100,7 +100,7 @@ class EmbeddingPlane:
                     request.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
                 response = await self._engine.infer(request, timeout_s)
         finally:
-            verdict.permit.release()
+            await verdict.permit.release()
         values = TensorReader(response).numbers(EMBEDDING_OUTPUT)
         if not values or len(values) % len(inputs):
             raise Internal(f"model {model!r} returned no {EMBEDDING_OUTPUT!r} row per input")

@@ -57,100 +57,100 @@ def test_cost_above_capacity_is_admitted_when_full_and_paid_for_later() -> None:
     assert bucket.wait_s(0.0, 1) == pytest.approx(15.1)
 
 
-def test_admission_rate_limit_refuses_with_exact_retry_after() -> None:
+async def test_admission_rate_limit_refuses_with_exact_retry_after() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)
     acme = tenant(requests_per_second=5, burst=2)
     for _ in range(2):
-        verdict = admission.admit(acme)
+        verdict = await admission.admit(acme)
         assert isinstance(verdict, Admitted)
-        verdict.permit.release()
-    refused = admission.admit(acme)
+        await verdict.permit.release()
+    refused = await admission.admit(acme)
     assert isinstance(refused, Refused)
     assert refused.retry_after_s == pytest.approx(0.2)
     assert [v.subject for v in refused.violations] == ["tenant:acme"]
     assert "requests_per_second limit 5 (burst 2)" in refused.violations[0].description
     clock.advance(refused.retry_after_s)
-    assert isinstance(admission.admit(acme), Admitted)
+    assert isinstance(await admission.admit(acme), Admitted)
 
 
-def test_default_burst_is_the_rate_rounded_up() -> None:
+async def test_default_burst_is_the_rate_rounded_up() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)
     acme = tenant(requests_per_second=2.5)
-    assert [isinstance(admission.admit(acme), Admitted) for _ in range(4)] == [True] * 3 + [False]
+    assert [isinstance(await admission.admit(acme), Admitted) for _ in range(4)] == [True] * 3 + [False]
 
 
-def test_concurrency_is_freed_by_release_exactly_once() -> None:
+async def test_concurrency_is_freed_by_release_exactly_once() -> None:
     clock = FakeClock()
     store = InMemoryQuotaStore()
     admission = Admission(store, clock)
     acme = tenant(max_concurrent=2)
-    first, second = admission.admit(acme), admission.admit(acme)
+    first, second = await admission.admit(acme), await admission.admit(acme)
     assert isinstance(first, Admitted) and isinstance(second, Admitted)
-    third = admission.admit(acme)
+    third = await admission.admit(acme)
     assert isinstance(third, Refused)
     assert "max_concurrent limit 2 reached" in third.violations[0].description
-    first.permit.release()
-    first.permit.release()  # idempotent: must not free the second request's slot too
+    await first.permit.release()
+    await first.permit.release()  # idempotent: must not free the second request's slot too
     assert store.in_flight("acme") == 1
-    assert isinstance(admission.admit(acme), Admitted)
-    assert isinstance(admission.admit(acme), Refused)
+    assert isinstance(await admission.admit(acme), Admitted)
+    assert isinstance(await admission.admit(acme), Refused)
 
 
-def test_a_refusal_charges_nothing_and_names_every_violation() -> None:
+async def test_a_refusal_charges_nothing_and_names_every_violation() -> None:
     clock = FakeClock()
     store = InMemoryQuotaStore()
     admission = Admission(store, clock)
     acme = tenant(requests_per_second=1, burst=1, max_concurrent=1)
-    held = admission.admit(acme)
+    held = await admission.admit(acme)
     assert isinstance(held, Admitted)
-    refused = admission.admit(acme)
+    refused = await admission.admit(acme)
     assert isinstance(refused, Refused)
     assert len(refused.violations) == 2
     assert refused.retry_after_s == pytest.approx(1.0)  # the longest of the waits
     assert store.in_flight("acme") == 1
 
 
-def test_tokens_per_minute_reserve_and_reconcile() -> None:
+async def test_tokens_per_minute_reserve_and_reconcile() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)
     acme = tenant(tokens_per_minute=600)  # 10 tokens/s
-    big = admission.admit(acme, cost_tokens=500)
+    big = await admission.admit(acme, cost_tokens=500)
     assert isinstance(big, Admitted)
     # Only 100 left: a request estimating 200 waits 10 s for the missing 100.
-    refused = admission.admit(acme, cost_tokens=200)
+    refused = await admission.admit(acme, cost_tokens=200)
     assert isinstance(refused, Refused)
     assert refused.retry_after_s == pytest.approx(10.0)
     # The big one used only 100: 400 come back and the same request now fits.
-    big.permit.release(actual_tokens=100)
-    second = admission.admit(acme, cost_tokens=200)
+    await big.permit.release(actual_tokens=100)
+    second = await admission.admit(acme, cost_tokens=200)
     assert isinstance(second, Admitted)
     # An underestimate is taken as debt: 300 left, 500 more used -> 200 below zero.
-    second.permit.release(actual_tokens=700)
-    refused = admission.admit(acme, cost_tokens=1)
+    await second.permit.release(actual_tokens=700)
+    refused = await admission.admit(acme, cost_tokens=1)
     assert isinstance(refused, Refused)
     assert refused.retry_after_s == pytest.approx(20.1)
     assert "tokens_per_minute limit 600 exceeded" in refused.violations[0].description
 
 
-def test_release_without_actual_tokens_keeps_the_estimate() -> None:
+async def test_release_without_actual_tokens_keeps_the_estimate() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)
     acme = tenant(tokens_per_minute=600)
-    first = admission.admit(acme, cost_tokens=600)
+    first = await admission.admit(acme, cost_tokens=600)
     assert isinstance(first, Admitted)
-    first.permit.release()
-    refused = admission.admit(acme, cost_tokens=60)
+    await first.permit.release()
+    refused = await admission.admit(acme, cost_tokens=60)
     assert isinstance(refused, Refused) and refused.retry_after_s == pytest.approx(6.0)
 
 
-def test_refused_becomes_quota_exceeded() -> None:
+async def test_refused_becomes_quota_exceeded() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)
     acme = tenant(requests_per_second=1, burst=1)
-    admission.admit(acme)
-    refused = admission.admit(acme)
+    await admission.admit(acme)
+    refused = await admission.admit(acme)
     assert isinstance(refused, Refused)
     error = refused.error()
     assert isinstance(error, QuotaExceeded)
@@ -159,7 +159,8 @@ def test_refused_becomes_quota_exceeded() -> None:
     assert error.message.startswith("quota exceeded: requests_per_second limit 1")
 
 
-def test_unlimited_tenant_is_always_admitted() -> None:
+async def test_unlimited_tenant_is_always_admitted() -> None:
     admission = Admission(InMemoryQuotaStore(), FakeClock())
     acme = tenant()
-    assert all(isinstance(admission.admit(acme, cost_tokens=10**9), Admitted) for _ in range(1000))
+    for _ in range(1000):
+        assert isinstance(await admission.admit(acme, cost_tokens=10**9), Admitted)

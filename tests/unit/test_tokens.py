@@ -61,60 +61,60 @@ def admission(clock: FakeClock) -> Admission:
 # tokens_per_minute: reservation at admission, reconciliation at release
 
 
-def test_reservation_takes_the_estimate_and_refuses_with_exact_retry(admission: Admission) -> None:
+async def test_reservation_takes_the_estimate_and_refuses_with_exact_retry(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)  # refills 10 tokens/s
-    assert isinstance(admission.admit(t, cost_tokens=500), Admitted)
-    refusal = admission.admit(t, cost_tokens=200)
+    assert isinstance(await admission.admit(t, cost_tokens=500), Admitted)
+    refusal = await admission.admit(t, cost_tokens=200)
     assert isinstance(refusal, Refused)
     assert refusal.retry_after_s == pytest.approx(10.0)  # 100 left, 100 missing at 10/s
     assert "tokens_per_minute" in refusal.violations[0].description
 
 
-def test_retry_after_is_honest(admission: Admission, clock: FakeClock) -> None:
+async def test_retry_after_is_honest(admission: Admission, clock: FakeClock) -> None:
     t = tenant(tokens_per_minute=600)
-    admission.admit(t, cost_tokens=600)
-    refusal = admission.admit(t, cost_tokens=150)
+    await admission.admit(t, cost_tokens=600)
+    refusal = await admission.admit(t, cost_tokens=150)
     assert isinstance(refusal, Refused)
     clock.advance(refusal.retry_after_s)
-    assert isinstance(admission.admit(t, cost_tokens=150), Admitted)
+    assert isinstance(await admission.admit(t, cost_tokens=150), Admitted)
 
 
-def test_an_early_stop_costs_only_what_it_used(admission: Admission) -> None:
+async def test_an_early_stop_costs_only_what_it_used(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    early_stop = admission.admit(t, cost_tokens=600)  # prompt estimate + max_tokens
+    early_stop = await admission.admit(t, cost_tokens=600)  # prompt estimate + max_tokens
     assert isinstance(early_stop, Admitted)
-    assert isinstance(admission.admit(t, cost_tokens=100), Refused)
-    early_stop.permit.release(actual_tokens=150)  # 450 come back at once
-    assert isinstance(admission.admit(t, cost_tokens=450), Admitted)
-    assert isinstance(admission.admit(t, cost_tokens=1), Refused)
+    assert isinstance(await admission.admit(t, cost_tokens=100), Refused)
+    await early_stop.permit.release(actual_tokens=150)  # 450 come back at once
+    assert isinstance(await admission.admit(t, cost_tokens=450), Admitted)
+    assert isinstance(await admission.admit(t, cost_tokens=1), Refused)
 
 
-def test_an_underestimate_is_charged_as_debt(admission: Admission) -> None:
+async def test_an_underestimate_is_charged_as_debt(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    verdict = admission.admit(t, cost_tokens=100)
+    verdict = await admission.admit(t, cost_tokens=100)
     assert isinstance(verdict, Admitted)
-    verdict.permit.release(actual_tokens=700)  # 600 beyond the reservation: level -100
-    refusal = admission.admit(t, cost_tokens=60)
+    await verdict.permit.release(actual_tokens=700)  # 600 beyond the reservation: level -100
+    refusal = await admission.admit(t, cost_tokens=60)
     assert isinstance(refusal, Refused)
     assert refusal.retry_after_s == pytest.approx(16.0)  # from -100 up to 60 at 10/s
 
 
-def test_release_is_idempotent_and_bounded_by_capacity(admission: Admission) -> None:
+async def test_release_is_idempotent_and_bounded_by_capacity(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    verdict = admission.admit(t, cost_tokens=100)
+    verdict = await admission.admit(t, cost_tokens=100)
     assert isinstance(verdict, Admitted)
-    verdict.permit.release(actual_tokens=0)
-    verdict.permit.release(actual_tokens=0)
-    assert isinstance(admission.admit(t, cost_tokens=600), Admitted)
-    assert isinstance(admission.admit(t, cost_tokens=1), Refused)
+    await verdict.permit.release(actual_tokens=0)
+    await verdict.permit.release(actual_tokens=0)
+    assert isinstance(await admission.admit(t, cost_tokens=600), Admitted)
+    assert isinstance(await admission.admit(t, cost_tokens=1), Refused)
 
 
-def test_a_refusal_takes_nothing(admission: Admission) -> None:
+async def test_a_refusal_takes_nothing(admission: Admission) -> None:
     t = tenant(tokens_per_minute=600)
-    admission.admit(t, cost_tokens=550)
+    await admission.admit(t, cost_tokens=550)
     for _ in range(5):
-        assert isinstance(admission.admit(t, cost_tokens=100), Refused)
-    assert isinstance(admission.admit(t, cost_tokens=50), Admitted)
+        assert isinstance(await admission.admit(t, cost_tokens=100), Refused)
+    assert isinstance(await admission.admit(t, cost_tokens=50), Admitted)
 
 
 # daily_token_budget: ledger totals + in-flight reservations, per UTC day

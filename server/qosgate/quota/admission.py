@@ -19,21 +19,21 @@ class Admission:
         self._store = store
         self._clock = clock
 
-    def admit(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict:
+    async def admit(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict:
         """Admitted(permit) or Refused(retry_after_s, violations); a refusal charges nothing.
 
         `cost_tokens` is an LLM request's estimated tokens (prompt + max new tokens), taken
         from its tokens_per_minute bucket; `permit.release(actual_tokens)` settles it.
         """
         limits = tenant.limits
-        refused = self._store.acquire(tenant.name, limits, self._clock.now(), cost_tokens)
+        refused = await self._store.acquire(tenant.name, limits, self._clock.now(), cost_tokens)
         if refused is not None:
             return refused
         return Admitted(
             Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens))
         )
 
-    def _release(
+    async def _release(
         self, tenant: str, limits: LimitsConfig, reserved_tokens: int, actual_tokens: int | None
     ) -> None:
-        self._store.release(tenant, limits, self._clock.now(), reserved_tokens, actual_tokens)
+        await self._store.release(tenant, limits, self._clock.now(), reserved_tokens, actual_tokens)

@@ -20,9 +20,13 @@ CONCURRENCY_RETRY_AFTER_S = 0.1
 
 
 class QuotaStore(Protocol):
-    """Per-tenant quota state with atomic check-and-charge."""
+    """Per-tenant quota state with atomic check-and-charge.
 
-    def acquire(
+    Async because a shared store (Redis) answers over the network; `now` is the caller's
+    clock, which a shared store may replace with its own (see `RedisQuotaStore`).
+    """
+
+    async def acquire(
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
     ) -> Refused | None:
         """Charge one request (and `cost_tokens`) against every limit, or nothing at all.
@@ -32,7 +36,7 @@ class QuotaStore(Protocol):
         """
         ...
 
-    def release(
+    async def release(
         self,
         tenant: str,
         limits: LimitsConfig,
@@ -54,7 +58,10 @@ class _TenantState:
 
 
 class InMemoryQuotaStore:
-    """Quota state in this process; correct for one gateway process, on one event loop."""
+    """Quota state in this process; correct for one gateway process, on one event loop.
+
+    Its coroutines never suspend, so a check-and-charge is atomic on the event loop.
+    """
 
     def __init__(self) -> None:
         self._states: dict[str, _TenantState] = {}
@@ -73,7 +80,7 @@ class InMemoryQuotaStore:
             self._states[tenant] = state
         return state
 
-    def acquire(
+    async def acquire(
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
     ) -> Refused | None:
         state = self._state(tenant, limits, now)
@@ -84,7 +91,7 @@ class InMemoryQuotaStore:
             limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent
         )
         if rate_wait or token_wait or at_concurrency:
-            return _refusal(tenant, limits, rate_wait, token_wait, at_concurrency)
+            return refusal(tenant, limits, rate_wait, token_wait, at_concurrency)
         if requests is not None:
             requests.take(now, 1)
         if tokens is not None and cost_tokens:
@@ -92,7 +99,7 @@ class InMemoryQuotaStore:
         state.in_flight += 1
         return None
 
-    def release(
+    async def release(
         self,
         tenant: str,
         limits: LimitsConfig,
@@ -118,9 +125,10 @@ class InMemoryQuotaStore:
         return state.in_flight if state is not None else 0
 
 
-def _refusal(
+def refusal(
     tenant: str, limits: LimitsConfig, rate_wait: float, token_wait: float, at_concurrency: bool
 ) -> Refused:
+    """The Refused for these waits (seconds; 0.0 = that limit admits) and a full house."""
     # Descriptions are formatted only on refusal: admission itself stays free of strings.
     subject = f"tenant:{tenant}"
     violations = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from qosgate.errors import QuotaExceeded, QuotaViolation
@@ -13,13 +13,14 @@ class Permit:
     """What an admitted request holds until it finishes: a concurrency slot, reserved tokens."""
 
     reserved_tokens: int
-    _on_release: Callable[[int | None], None] | None = field(repr=False)
+    _on_release: Callable[[int | None], Awaitable[None]] | None = field(repr=False)
 
-    def release(self, actual_tokens: int | None = None) -> None:
+    async def release(self, actual_tokens: int | None = None) -> None:
         """Free the slot; `actual_tokens` settles the reserved estimate. Idempotent."""
+        # Cleared before awaiting: a second release while the first is in flight is a no-op.
         on_release, self._on_release = self._on_release, None
         if on_release is not None:
-            on_release(actual_tokens)
+            await on_release(actual_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,7 +238,7 @@ class KServeService:
         model = _peek(request).model_name
         klass = self._authorize(tenant, metadata, model)
         outcome.model, outcome.klass = model, klass
-        verdict = self._admission.admit(tenant)
+        verdict = await self._admission.admit(tenant)
         if isinstance(verdict, Refused):
             raise verdict.error()
         deadline = self._deadline(context)
@@ -260,7 +260,7 @@ class KServeService:
                     finally:
                         self._metrics.upstream_latency(upstream.name, model, time.perf_counter() - started)
         finally:
-            verdict.permit.release()
+            await verdict.permit.release()
         self._record(outcome, None)
         return response
 
@@ -316,6 +316,7 @@ class _InFlight:
     client_id: str
     wants_empty_final: bool
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: bool = False  # Triton answered with an error_message
 
 
 def _stream_error(request_id: str, message: str) -> bytes:
@@ -408,7 +409,7 @@ class _StreamSession:
             client_id = head.id
             klass = svc._authorize(tenant, self._metadata, head.model_name)
             outcome.model, outcome.klass = head.model_name, klass
-            verdict = svc._admission.admit(tenant)
+            verdict = await svc._admission.admit(tenant)
             if isinstance(verdict, Refused):
                 raise verdict.error()
             deadline = svc._deadline(self._context)
@@ -430,6 +431,9 @@ class _StreamSession:
                             + infer_wire.empty_final_fragment()
                         )
                     await entry.done.wait()
+                    if entry.failed:
+                        # In-band errors carry no status code; the metric still must not say OK.
+                        outcome.code = "UPSTREAM_ERROR"
                 finally:
                     self._in_flight.pop(gateway_id, None)
                     svc._metrics.upstream_latency(
@@ -447,7 +451,7 @@ class _StreamSession:
             return
         finally:
             if verdict is not None and not isinstance(verdict, Refused):
-                verdict.permit.release()
+                await verdict.permit.release()
         svc._record(outcome, None)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -459,6 +463,7 @@ class _StreamSession:
                     self._outbox.put_nowait(raw)
                     continue
                 if head.is_final:
+                    entry.failed = head.is_error
                     entry.done.set()
                     if not (head.has_outputs or head.is_error or entry.wants_empty_final):
                         continue  # the empty final response we asked for, not the caller
