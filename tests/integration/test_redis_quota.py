@@ -1,0 +1,269 @@
+"""The Redis quota store on a real redis-server: two Admission instances, each with its own
+RedisQuotaStore and connection (= two gateway processes), enforce one set of limits.
+
+Buckets run on Redis server time, so these tests use real time; rates are chosen so that
+the refill during a test is far below one request and outcomes are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from conftest import free_port
+from qosgate.auth import Tenant
+from qosgate.clock import MonotonicClock
+from qosgate.config import QuotaStoreConfig
+from qosgate.errors import Unavailable
+from qosgate.quota import Admission, Admitted, Refused
+from qosgate.quota.redis_store import PROBE_INTERVAL_S, RedisQuotaStore
+from tests.fakes import FakeClock, make_tenant
+
+pytestmark = [
+    pytest.mark.integration,
+    # the async fixture below lives on the session loop (asyncio_default_fixture_loop_scope)
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None,
+        reason="redis-server not installed (apt-get install redis-server; .ci/run does)",
+    ),
+]
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port: no persistence, own directory."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._workdir = workdir
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self._workdir),
+                "--logfile", str(self._workdir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if self._process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"redis-server did not start; see {self._workdir / 'redis.log'}"
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        self._process = None
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def store_config(server: RedisServer, prefix: str, **fields: object) -> QuotaStoreConfig:
+    return QuotaStoreConfig(backend="redis", redis_url=server.url, key_prefix=prefix, **fields)
+
+
+@pytest.fixture
+async def gateways(redis_server: RedisServer) -> AsyncIterator[tuple[Admission, Admission]]:
+    """Two admissions sharing one Redis (one key prefix per test: no state leaks between)."""
+    config = store_config(redis_server, f"test-{uuid.uuid4().hex[:8]}")
+    clock = MonotonicClock()
+    stores = [RedisQuotaStore.from_config(config, clock=clock) for _ in range(2)]
+    yield Admission(stores[0], clock), Admission(stores[1], clock)
+    for store in stores:
+        await store.aclose()
+
+
+def tenant(**limits: float) -> Tenant:
+    return make_tenant("acme", limits=limits)
+
+
+async def test_two_gateways_share_one_request_rate(gateways: tuple[Admission, Admission]) -> None:
+    a, b = gateways
+    # Burst 10; refilling one request takes 10 s, far longer than this test.
+    acme = tenant(requests_per_second=0.1, burst=10)
+    verdicts = await asyncio.gather(*(g.admit(acme) for _ in range(10) for g in (a, b)))
+    admitted = [v for v in verdicts if isinstance(v, Admitted)]
+    refused = [v for v in verdicts if isinstance(v, Refused)]
+    assert len(admitted) == 10
+    assert len(refused) == 10
+    # The wait is Redis's view of the shared bucket, whichever gateway answers.
+    for r in refused:
+        assert 9.0 < r.retry_after_s <= 10.0
+        assert "requests_per_second limit 0.1 (burst 10) exceeded" in r.violations[0].description
+
+
+async def test_concurrency_limit_spans_gateways(gateways: tuple[Admission, Admission]) -> None:
+    a, b = gateways
+    acme = tenant(max_concurrent=3)
+    held = [await a.admit(acme), await a.admit(acme), await b.admit(acme)]
+    assert all(isinstance(v, Admitted) for v in held)
+    for g in (a, b):
+        refused = await g.admit(acme)
+        assert isinstance(refused, Refused)
+        assert "max_concurrent limit 3 reached" in refused.violations[0].description
+    first = held[0]
+    assert isinstance(first, Admitted)
+    await first.permit.release()
+    await first.permit.release()  # idempotent: frees one slot only
+    assert isinstance(await b.admit(acme), Admitted)
+    assert isinstance(await a.admit(acme), Refused)
+
+
+async def test_tokens_reserved_on_one_gateway_settle_for_both(
+    gateways: tuple[Admission, Admission],
+) -> None:
+    a, b = gateways
+    acme = tenant(tokens_per_minute=600)  # 10 tokens/s
+    big = await a.admit(acme, cost_tokens=500)
+    assert isinstance(big, Admitted)
+    refused = await b.admit(acme, cost_tokens=200)  # 100 left: 100 missing at 10/s
+    assert isinstance(refused, Refused)
+    assert 9.0 < refused.retry_after_s <= 10.0
+    assert "tokens_per_minute limit 600 exceeded" in refused.violations[0].description
+    await big.permit.release(actual_tokens=100)  # 400 come back
+    second = await b.admit(acme, cost_tokens=200)
+    assert isinstance(second, Admitted)
+    await second.permit.release(actual_tokens=700)  # 500 beyond the estimate: debt
+    refused = await a.admit(acme, cost_tokens=1)
+    assert isinstance(refused, Refused)
+    assert 19.0 < refused.retry_after_s <= 20.1
+
+
+_CRASHING_GATEWAY = textwrap.dedent(
+    """
+    import asyncio, sys
+    from qosgate.clock import MonotonicClock
+    from qosgate.config import LimitsConfig, QuotaStoreConfig
+    from qosgate.quota.redis_store import RedisQuotaStore
+
+    async def main():
+        config = QuotaStoreConfig(
+            backend="redis", redis_url=sys.argv[1], key_prefix=sys.argv[2], lease_s=1.0
+        )
+        store = RedisQuotaStore.from_config(config, clock=MonotonicClock())
+        refused = await store.acquire("acme", LimitsConfig(max_concurrent=1), 0.0, 0)
+        print("held" if refused is None else "refused", flush=True)
+        await asyncio.sleep(3600)  # holding the slot until killed
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: RedisServer) -> None:
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_GATEWAY, redis_server.url, prefix],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert holder.stdout is not None
+    line = await asyncio.to_thread(holder.stdout.readline)
+    clock = MonotonicClock()
+    store = RedisQuotaStore.from_config(store_config(redis_server, prefix), clock=clock)
+    admission = Admission(store, clock)
+    acme = tenant(max_concurrent=1)
+    try:
+        assert line.strip() == b"held"
+        # While the holder lives it renews its lease: still held well past one lease.
+        await asyncio.sleep(2.0)
+        assert isinstance(await admission.admit(acme), Refused)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        killed = time.monotonic()
+        while not isinstance(verdict := await admission.admit(acme), Admitted):
+            assert time.monotonic() - killed < 5.0, "the dead gateway's slot never expired"
+            await asyncio.sleep(0.05)
+        # Freed by the lease (1 s, renewed every 1/3 s), not before its last renewal ran out.
+        assert time.monotonic() - killed > 0.3
+        await verdict.permit.release()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        await store.aclose()
+
+
+async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    clock = FakeClock()  # paces the outage probes only; the buckets use Redis time
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    deny = RedisQuotaStore.from_config(store_config(server, prefix), clock=clock)
+    allow = RedisQuotaStore.from_config(
+        store_config(server, prefix, on_error="allow"), clock=clock
+    )
+    closed, open_ = Admission(deny, clock), Admission(allow, clock)
+    acme = tenant(requests_per_second=0.1, burst=100, max_concurrent=100)
+    try:
+        assert isinstance(await closed.admit(acme), Admitted)
+        server.stop()
+        caplog.set_level(logging.WARNING, logger="qosgate.quota.redis_store")
+        for _ in range(5):
+            with pytest.raises(Unavailable) as refused:
+                await closed.admit(acme)
+            assert refused.value.retry_after_s == PROBE_INTERVAL_S
+        admitted_blind = [await open_.admit(acme) for _ in range(5)]
+        assert all(isinstance(v, Admitted) for v in admitted_blind)
+        outages = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(outages) == 2  # one per store, not one per request
+        assert "refusing" in outages[0].getMessage()
+        assert "admitting unchecked" in outages[1].getMessage()
+        assert server.url.split("//")[1].split("/")[0] in outages[0].getMessage()
+        # Releasing what was admitted blind touches nothing in Redis and raises nothing.
+        for verdict in admitted_blind:
+            assert isinstance(verdict, Admitted)
+            await verdict.permit.release()
+
+        server.start()  # same port, empty state
+        assert isinstance(await open_.admit(acme), Admitted)  # breaker still open: blind
+        clock.advance(PROBE_INTERVAL_S)
+        assert isinstance(await closed.admit(acme), Admitted)
+        back = [r for r in caplog.records if "reachable again" in r.getMessage()]
+        assert len(back) == 1
+    finally:
+        await deny.aclose()
+        await allow.aclose()
+        server.stop()
