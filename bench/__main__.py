@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite README's performance section from the report")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    # SIGTERM (timeout, CI cancel) unwinds like Ctrl-C, so every started process group is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = list(SCENARIOS) if args.scenario == "all" else [] if args.scenario == "report" else [args.scenario]
     failed = []
     for name in names:

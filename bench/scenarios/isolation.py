@@ -41,9 +41,14 @@ class Phase:
     model: str
     target: str
     load: int
-    seconds: float
+    window: tuple[float, float]
     critical: list[load.Outcome]
     batch: list[load.Outcome]
+
+    def batch_goodput(self) -> float:
+        """Batch requests completed OK inside the phase, per second (later ones are backlog)."""
+        lo, hi = self.window
+        return len(load.ok_between(self.batch, lo, hi)) / (hi - lo)
 
     def critical_latency(self) -> list[float]:
         """Seconds to the first token for streams, to the reply otherwise."""
@@ -56,7 +61,7 @@ class Phase:
             "model": self.model, "target": self.target, "flood": f"{self.load}x",
             "critical p50 ms": percentile(lat, 50) * 1e3, "critical p99 ms": percentile(lat, 99) * 1e3,
             "critical ok": len(lat), "critical refused": sum(not o.ok for o in self.critical),
-            "batch goodput/s": round(sum(o.ok for o in self.batch) / self.seconds, 2),
+            "batch goodput/s": round(self.batch_goodput(), 2),
             "refusals by code": ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none",
         }
 
@@ -97,14 +102,15 @@ def _sender(target: load.Target, work: Workload, caller: load.Caller, request: o
 
 async def run_phase(target: load.Target, name: str, work: Workload, flood: int, cap: float,
                     seconds: float, critical: load.Caller, batch: load.Caller) -> Phase:
-    until = target.now() + seconds
+    start = target.now()
+    until = start + seconds
     crit_send = _sender(target, work, critical, work.make(critical.triton_priority))
     jobs = [load.open_loop(crit_send, work.critical_rate, until, target.now, seed=1)]
     if flood:
         batch_send = _sender(target, work, batch, work.make(batch.triton_priority))
         jobs.append(load.open_loop(batch_send, flood * cap, until, target.now, seed=2))
     results = await asyncio.gather(*jobs)
-    phase = Phase(work.model, name, flood, seconds, results[0], results[1] if flood else [])
+    phase = Phase(work.model, name, flood, (start, until), results[0], results[1] if flood else [])
     log.info("%s", phase.row())
     return phase
 
@@ -194,7 +200,7 @@ def draw(phases: list[Phase], path: pathlib.Path) -> None:
             for q in (50, 99):
                 lat_ax.plot(xs, [percentile(p.critical_latency(), q) * 1e3 for p in mine], style,
                             marker="o", label=f"{target} critical p{q}")
-            good_ax.plot(xs, [sum(o.ok for o in p.batch) / p.seconds for p in mine], style,
+            good_ax.plot(xs, [p.batch_goodput() for p in mine], style,
                          marker="o", label=f"{target} batch goodput")
         metric = "TTFT" if model == "smollm2" else "latency"
         lat_ax.set_title(f"{model}: critical {metric}")
