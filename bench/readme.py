@@ -44,9 +44,9 @@ def section_text(results: list[report.ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
-def update(readme: pathlib.Path = README) -> None:
+def update(readme: pathlib.Path = README, results: pathlib.Path = report.RESULTS_DIR) -> None:
     text = readme.read_text()
     if not SECTION.search(text):
         raise RuntimeError(f"{readme} has no <!-- section: performance --> ... <!-- /section: performance --> block")
-    body = section_text(report.load_results())
+    body = section_text(report.load_results(results))
     readme.write_text(SECTION.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1))

@@ -1,0 +1,87 @@
+"""The benchmark suite's pure parts: statistics, aims, the report and README rewriting."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+
+from bench import readme, report
+from bench.profile import Profile
+from bench.report import Aim, Figure, ScenarioResult
+from bench.stats import jain_index, percentile
+
+
+def test_percentile_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile(values, 100) == 100
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_jain_index_bounds() -> None:
+    assert jain_index([1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert jain_index([1.0, 0.0, 0.0]) == pytest.approx(1 / 3)
+    assert jain_index([1.0, 2.0]) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    ("aim", "value", "met", "distance"),
+    [
+        (Aim(">=", 80.0), 85.0, True, 5.0),
+        (Aim(">=", 80.0), 70.0, False, -10.0),
+        (Aim("<=", 100.0), 130.0, False, -30.0),
+        (Aim("<=", 100.0), 40.0, True, 60.0),
+    ],
+)
+def test_aim_distance_is_signed_margin(aim: Aim, value: float, met: bool, distance: float) -> None:
+    assert aim.met(value) is met
+    assert aim.distance(value) == pytest.approx(distance)
+
+
+def _result() -> ScenarioResult:
+    return ScenarioResult(
+        scenario="quota", command="python -m bench quota --quick", quick=True,
+        started_utc="2026-01-01 00:00 UTC", duration_s=12.0,
+        figures=[Figure("admitted rate off the limit", 3.5, "%", Aim("<=", 2.0), reference="x"),
+                 Figure("not measured yet", None, "%", Aim("<=", 2.0))],
+        tables={"tenants": [{"tenant": "a", "limit": 5.0}]},
+    )
+
+
+def test_result_round_trips_through_json(tmp_path: pathlib.Path) -> None:
+    path = _result().write(tmp_path)
+    assert ScenarioResult.read(path) == _result()
+
+
+def test_report_states_missed_aims_with_distance(tmp_path: pathlib.Path) -> None:
+    _result().write(tmp_path)
+    text = report.write_report(tmp_path).read_text()
+    assert "MISSED (-1.5%)" in text
+    assert "not measured" in text
+
+
+def test_readme_update_replaces_only_its_section(tmp_path: pathlib.Path) -> None:
+    results = tmp_path / "results"
+    _result().write(results)
+    target = tmp_path / "README.md"
+    target.write_text("a\n<!-- section: performance -->\nold\n<!-- /section: performance -->\nb\n")
+    readme.update(target, results)
+    text = target.read_text()
+    assert text.startswith("a\n<!-- section: performance -->\n## Performance")
+    assert text.endswith("<!-- /section: performance -->\nb\n")
+    assert "old" not in text
+    assert "`python -m bench quota --quick`" in text
+
+
+def test_profile_sums_functions_across_lines() -> None:
+    found = Profile({
+        "main (app.py:1);work (qosgate/x.py:10)": 3,
+        "main (app.py:1);work (qosgate/x.py:12)": 1,
+        "main (app.py:1);idle (loop.py:5)": 2,
+    })
+    assert found.top(1, inclusive=False) == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
+    assert found.top(5, inclusive=True, within="qosgate/") == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
