@@ -29,7 +29,8 @@ from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.store import JobStore
 from qosgate.launcher import LocalTriton, TritonPorts
 from qosgate.metrics import GatewayMetrics, MetricsEndpoint
-from qosgate.quota import Admission, InMemoryQuotaStore
+from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore
+from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
 from qosgate.services.admin import AdminServicer
@@ -81,7 +82,14 @@ class Gateway:
         self.pool = UpstreamPool(config.upstreams, check_interval_s=health_check_interval_s)
         self.scheduler = Scheduler(config, self.clock)
         self.directory = TenantDirectory(config)
-        self.admission = Admission(InMemoryQuotaStore(), self.clock)
+        # Redis when several gateway replicas must enforce one set of limits together.
+        self._shared_quota = (
+            RedisQuotaStore.from_config(config.quota_store, clock=self.clock)
+            if config.quota_store.backend == "redis"
+            else None
+        )
+        quota_store: QuotaStore = self._shared_quota or InMemoryQuotaStore()
+        self.admission = Admission(quota_store, self.clock)
         self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
         self.generation = GenerationPlane(
             config=config,
@@ -206,6 +214,8 @@ class Gateway:
             await asyncio.gather(self._batch_task, return_exceptions=True)
             self._batch_task = None
         await self.pool.close()
+        if self._shared_quota is not None:
+            await self._shared_quota.aclose()
         self.ledger.close()
         self.jobs.close()
         if self._metrics_endpoint is not None:

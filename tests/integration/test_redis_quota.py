@@ -20,28 +20,35 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from conftest import free_port
+from conftest import free_port, require_model
+from gateway_harness import TINY_KEY, GatewayThread, gateway_config
 from qosgate.auth import Tenant
 from qosgate.clock import MonotonicClock
 from qosgate.config import QuotaStoreConfig
 from qosgate.errors import Unavailable
 from qosgate.quota import Admission, Admitted, Refused
 from qosgate.quota.redis_store import PROBE_INTERVAL_S, RedisQuotaStore
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
 from tests.fakes import FakeClock, make_tenant
 
 pytestmark = [
     pytest.mark.integration,
-    # the async fixture below lives on the session loop (asyncio_default_fixture_loop_scope)
-    pytest.mark.asyncio(loop_scope="session"),
     pytest.mark.skipif(
         shutil.which("redis-server") is None,
         reason="redis-server not installed (apt-get install redis-server; .ci/run does)",
     ),
 ]
+
+
+# The async fixture below lives on the session loop (asyncio_default_fixture_loop_scope).
+ON_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 
 class RedisServer:
@@ -117,6 +124,7 @@ def tenant(**limits: float) -> Tenant:
     return make_tenant("acme", limits=limits)
 
 
+@ON_SESSION_LOOP
 async def test_two_gateways_share_one_request_rate(gateways: tuple[Admission, Admission]) -> None:
     a, b = gateways
     # Burst 10; refilling one request takes 10 s, far longer than this test.
@@ -132,6 +140,7 @@ async def test_two_gateways_share_one_request_rate(gateways: tuple[Admission, Ad
         assert "requests_per_second limit 0.1 (burst 10) exceeded" in r.violations[0].description
 
 
+@ON_SESSION_LOOP
 async def test_concurrency_limit_spans_gateways(gateways: tuple[Admission, Admission]) -> None:
     a, b = gateways
     acme = tenant(max_concurrent=3)
@@ -149,6 +158,7 @@ async def test_concurrency_limit_spans_gateways(gateways: tuple[Admission, Admis
     assert isinstance(await a.admit(acme), Refused)
 
 
+@ON_SESSION_LOOP
 async def test_tokens_reserved_on_one_gateway_settle_for_both(
     gateways: tuple[Admission, Admission],
 ) -> None:
@@ -190,6 +200,7 @@ _CRASHING_GATEWAY = textwrap.dedent(
 )
 
 
+@ON_SESSION_LOOP
 async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: RedisServer) -> None:
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     holder = subprocess.Popen(
@@ -224,6 +235,7 @@ async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: R
         await store.aclose()
 
 
+@ON_SESSION_LOOP
 async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -267,3 +279,43 @@ async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
         await deny.aclose()
         await allow.aclose()
         server.stop()
+
+
+def test_two_gateways_in_front_of_triton_share_one_limit(
+    triton, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Real gateways on their own loops: `tiny` (burst 1, one request per 10 s) gets one
+    request through the pair, not one through each."""
+    require_model("identity")
+    shared = {
+        "backend": "redis",
+        "redis_url": redis_server.url,
+        "key_prefix": f"test-{uuid.uuid4().hex[:8]}",
+    }
+    configs = [
+        gateway_config(
+            triton.ports.grpc_url,
+            quota_store=shared,
+            usage_db=str(tmp_path / f"usage-{i}.sqlite3"),
+            batch={"db": str(tmp_path / f"batch-{i}.sqlite3")},
+        )
+        for i in range(2)
+    ]
+    request = service_pb2.ModelInferRequest(model_name="identity")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(np.array([1.0, 2.0], dtype=np.float32).tobytes())
+    key = (("authorization", f"Bearer {TINY_KEY}"),)
+    with GatewayThread(configs[0]) as a, GatewayThread(configs[1]) as b:
+        deadline = time.monotonic() + 30
+        while not (a.gateway.pool.ready and b.gateway.pool.ready):
+            assert time.monotonic() < deadline, "gateways never saw a ready upstream"
+            time.sleep(0.1)
+        with grpc.insecure_channel(a.url) as via_a, grpc.insecure_channel(b.url) as via_b:
+            first = service_pb2_grpc.GRPCInferenceServiceStub(via_a)
+            second = service_pb2_grpc.GRPCInferenceServiceStub(via_b)
+            reply = first.ModelInfer(request, metadata=key, timeout=30)
+            assert reply.raw_output_contents[0] == request.raw_input_contents[0]
+            with pytest.raises(grpc.RpcError) as refused:
+                second.ModelInfer(request, metadata=key, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "requests_per_second limit 0.1 (burst 1)" in refused.value.details()
