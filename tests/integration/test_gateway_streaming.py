@@ -119,13 +119,16 @@ def test_interleaved_requests_on_one_stream_keep_their_ids(triton, gateway) -> N
         assert _text(via[rid]) == _text(direct[rid])
 
 
-def _aborted(triton) -> float:
+def _engine(triton) -> dict[str, float]:
+    """The vLLM engine's gauges and counters for smollm2, from Triton's metrics endpoint."""
     url = f"http://127.0.0.1:{triton.ports.metrics}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    pattern = r'^vllm_engine_requests_finished_total\{[^}]*model="smollm2"[^}]*reason="abort"[^}]*\}\s+(\S+)$'
-    match = re.search(pattern, text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    samples = {}
+    for name in ("vllm_engine_requests_running", "vllm_engine_generation_tokens_total"):
+        match = re.search(rf'^{name}\{{[^}}]*model="{MODEL}"[^}}]*\}}\s+(\S+)$', text, re.MULTILINE)
+        samples[name] = float(match.group(1)) if match else 0.0
+    return samples
 
 
 def _raw_request(prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
@@ -142,12 +145,14 @@ def _raw_request(prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
 
 
 async def test_closing_the_stream_aborts_generation_in_the_engine(triton, gateway) -> None:
-    before = _aborted(triton)
+    budget = 1500
+    tokens = "vllm_engine_generation_tokens_total"
+    before = _engine(triton)
     async with grpc.aio.insecure_channel(gateway.url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
         async def requests():
-            yield _raw_request(PROMPTS["count"], 1500)
+            yield _raw_request(PROMPTS["count"], budget)
             await asyncio.Event().wait()  # keep our half open until we cancel
 
         call = stub.ModelStreamInfer(requests(), metadata=(("authorization", f"Bearer {ACME_KEY}"),))
@@ -161,12 +166,15 @@ async def test_closing_the_stream_aborts_generation_in_the_engine(triton, gatewa
                 break
     # The backend polls for cancellation; a loaded shared machine can take a while.
     deadline = time.monotonic() + 60
-    while _aborted(triton) < before + 1:
-        assert time.monotonic() < deadline, "the engine did not abort the cancelled request"
+    while (after := _engine(triton))["vllm_engine_requests_running"] > 0:
+        assert time.monotonic() < deadline, f"the engine still runs the cancelled request: {after}"
         await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)
+    settled = _engine(triton)
+    assert settled[tokens] == after[tokens]  # stopped for good
+    assert settled[tokens] - before[tokens] < budget / 2  # and long before its budget
 
     async def in_flight() -> int:
         return gateway.gateway.scheduler.snapshot().in_flight.get(MODEL, 0)
 
     assert gateway.run(in_flight()) == 0  # the dispatch slot was given back
-
