@@ -7,14 +7,17 @@ independent reader); responses are built the way Triton sends them (raw contents
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from qosgate import paths
 from qosgate.adapters import adapter_for
 from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
@@ -197,3 +200,35 @@ def test_tokenizer_from_a_file_a_folder_or_the_hub_cache(tmp_path: Path, monkeyp
     assert tokenizer_counter("org/tiny", tmp_path / "hf")("a b zz a") == 4
     with pytest.raises(TokenizerNotFound, match="org/missing"):
         find_tokenizer("org/missing", tmp_path / "hf")
+
+
+def _model_config(path: Path) -> model_config_pb2.ModelConfig:
+    # Templates (docker/models) carry ${name} placeholders; any integer fits for this check.
+    text = re.sub(r"\$\{[a-z_]+\}", "8", path.read_text())
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("vllm", "model_repository/smollm2/config.pbtxt"),
+        ("trtllm", "model_repository/smollm2_trtllm/config.pbtxt"),
+        ("trtllm", "docker/models/trtllm/ensemble/config.pbtxt"),
+    ],
+)
+def test_requests_match_the_model_configs(kind: str, config: str) -> None:
+    """Every tensor an adapter sends exists in the model's config, with its type and rank."""
+    model = _model_config(paths.project_root() / config)
+    declared = {i.name: i for i in model.input}
+    batch_rank = 1 if model.max_batch_size > 0 else 0
+    request = adapter_for(kind).encode(REQUEST, request_id="r")
+    for tensor in request.inputs:
+        assert tensor.name in declared, f"{config} has no input {tensor.name!r}"
+        spec = declared[tensor.name]
+        expected_type = "TYPE_STRING" if tensor.datatype == "BYTES" else f"TYPE_{tensor.datatype}"
+        assert model_config_pb2.DataType.Name(spec.data_type) == expected_type, tensor.name
+        assert len(tensor.shape) == len(spec.dims) + batch_rank, tensor.name
+    required = {name for name, spec in declared.items() if not spec.optional}
+    assert required <= {t.name for t in request.inputs}
+    outputs = {o.name for o in model.output}
+    assert "text_output" in outputs
