@@ -223,13 +223,17 @@ class GenerationPlane:
             # Whatever happened (finished, engine error, caller cancelled): account for
             # what the engine did, then free the reservation and the permit.
             used = decoder.counted() if responses else TokenCounts(0, 0)
-            if responses:
-                reason = finished.value if finished is not None else FinishReason.CANCELLED.value
-                self._ledger.record(
-                    UsageRecord(tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
-                )
-            self._budget.settle(reservation)
-            await verdict.permit.release(actual_tokens=used.total)
+            try:
+                if responses:
+                    reason = finished.value if finished is not None else FinishReason.CANCELLED.value
+                    self._ledger.record(
+                        UsageRecord(
+                            tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason
+                        )
+                    )
+            finally:  # a ledger that cannot write must not leak the tenant's slot and tokens
+                self._budget.settle(reservation)
+                await verdict.permit.release(actual_tokens=used.total)
 
     def _request(self, call: GenerationCall, policy: ModelPolicy) -> GenerationRequest:
         if not call.model:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sqlite3
 import struct
 from collections.abc import AsyncGenerator
 
@@ -19,7 +20,7 @@ from qosgate.generation import Finished, GenerationCall, GenerationPlane
 from qosgate.quota import Admission, InMemoryQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
-from qosgate.usage import UsageLedger
+from qosgate.usage import UsageLedger, UsageRecord
 from tests.fakes import FakeClock
 
 KEY = {"authorization": "Bearer k-acme"}
@@ -72,7 +73,9 @@ class FakeEngine:
 STORY = [_response("Once", 1), _response(" upon", 1), _response(" a time", 2, final=True, reason="length")]
 
 
-def _plane(engine: FakeEngine, **limits: int) -> tuple[GenerationPlane, UsageLedger, Scheduler]:
+def _plane(
+    engine: FakeEngine, ledger: UsageLedger | None = None, **limits: int
+) -> tuple[GenerationPlane, UsageLedger, Scheduler]:
     config = parse_config(
         {
             "models": {
@@ -90,7 +93,7 @@ def _plane(engine: FakeEngine, **limits: int) -> tuple[GenerationPlane, UsageLed
         }
     )
     clock = FakeClock()
-    ledger = UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
+    ledger = ledger or UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
     scheduler = Scheduler(config, clock)
     plane = GenerationPlane(
         config=config,
@@ -196,3 +199,26 @@ async def test_bad_calls_are_refused_before_admission(call: GenerationCall, erro
         await _collect(plane, call)
     assert not engine.requests
     assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="fine"))) == 4
+
+
+class FailingOnceLedger(UsageLedger):
+    """A ledger whose first write fails, as a full disk would make it."""
+
+    failed = False
+
+    def record(self, record: UsageRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            raise sqlite3.OperationalError("database or disk is full")
+        super().record(record)
+
+
+async def test_a_ledger_failure_still_frees_the_slot_and_the_permit() -> None:
+    engine = FakeEngine(STORY)
+    plane, ledger, scheduler = _plane(engine, FailingOnceLedger(":memory:", wall_time=lambda: DAY0))
+    with pytest.raises(sqlite3.OperationalError):
+        await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me"))
+    assert scheduler.snapshot().in_flight.get("smollm2", 0) == 0
+    # max_concurrent=1: only a released permit lets this one in.
+    assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="Again"))) == 4
+    assert ledger.day_summary("acme", "2026-01-01").requests == 1
