@@ -12,18 +12,20 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from conftest import require_model
-from qosgate.launcher import LocalTriton
+from conftest import free_port, require_model
+from qosgate import paths
+from qosgate.launcher import LocalTriton, TritonPorts
 
 pytestmark = pytest.mark.integration
 
@@ -228,6 +230,10 @@ async def test_32_concurrent_streams_all_complete(smollm2: LocalTriton) -> None:
     print(f"32 streams x 32 tokens in {elapsed:.1f}s")
 
 
+def _prompt_with_sampling(raw: bytes) -> Callable[[], list[grpcclient.InferInput]]:
+    return lambda: [_tensor("text_input", "BYTES", b"hi"), _tensor("sampling_parameters", "BYTES", raw)]
+
+
 MALFORMED = {
     "wrong dtype": (
         lambda: [_tensor("text_input", "INT32", 7)],
@@ -237,34 +243,16 @@ MALFORMED = {
         lambda: [_tensor("stream", "BOOL", False)],
         r"text_input",
     ),
-    "bad sampling JSON": (
-        lambda: [
-            _tensor("text_input", "BYTES", b"hi"),
-            _tensor("sampling_parameters", "BYTES", b"{max_tokens: 4"),
-        ],
-        r"sampling_parameters is not valid JSON",
-    ),
+    "bad sampling JSON": (_prompt_with_sampling(b"{max_tokens: 4"), r"sampling_parameters is not valid JSON"),
     "unknown sampling key": (
-        lambda: [
-            _tensor("text_input", "BYTES", b"hi"),
-            _tensor("sampling_parameters", "BYTES", b'{"max_tokenz": 4}'),
-        ],
+        _prompt_with_sampling(b'{"max_tokenz": 4}'),
         r"unknown sampling parameter\(s\) max_tokenz",
     ),
     "max_tokens beyond the model length": (
-        lambda: [
-            _tensor("text_input", "BYTES", b"hi"),
-            _tensor("sampling_parameters", "BYTES", b'{"max_tokens": 100000}'),
-        ],
+        _prompt_with_sampling(b'{"max_tokens": 100000}'),
         r"max_tokens=100000 exceeds the model's maximum length max_model_len=2048",
     ),
-    "invalid sampling value": (
-        lambda: [
-            _tensor("text_input", "BYTES", b"hi"),
-            _tensor("sampling_parameters", "BYTES", b'{"temperature": -1}'),
-        ],
-        r"temperature must be non-negative",
-    ),
+    "invalid sampling value": (_prompt_with_sampling(b'{"temperature": -1}'), r"temperature must be non-negative"),
     "non-integer priority": (
         lambda: [_tensor("text_input", "BYTES", b"hi")],
         r"vllm_priority must be an integer",
@@ -306,3 +294,64 @@ def test_refusals_are_invalid_argument_class(smollm2: LocalTriton, body: dict, m
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 400
     assert message in refused.value.read().decode()
+
+
+@pytest.fixture(scope="module")
+def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
+    """smollm2 with room for a single running sequence, so that requests queue in the
+    engine's scheduler and the order it picks them in becomes visible."""
+    require_model(MODEL)
+    repo = tmp_path_factory.mktemp("one-slot-repo")
+    source = paths.model_repository() / MODEL
+    (repo / MODEL / "1").mkdir(parents=True)
+    shutil.copy(source / "config.pbtxt", repo / MODEL / "config.pbtxt")
+    engine = json.loads((source / "1" / "model.json").read_text())
+    (repo / MODEL / "1" / "model.json").write_text(json.dumps({**engine, "max_num_seqs": 1}))
+    server = LocalTriton(
+        models=[MODEL],
+        ports=TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port()),
+        model_repository=repo,
+        log_path=repo / "tritonserver.log",
+    )
+    with server:
+        yield server
+
+
+async def test_priority_reaches_the_engine_scheduler(one_slot_smollm2: LocalTriton) -> None:
+    # One stream, requests in this order: a blocker takes the only slot, three
+    # low-priority requests queue, then one high-priority request. First come, first
+    # served would finish the urgent one last; vLLM's priority policy runs it next.
+    def request(request_id: str, priority: int, max_tokens: int) -> dict:
+        sampling = {**GREEDY, "max_tokens": max_tokens, "ignore_eos": True}
+        return {
+            "model_name": MODEL,
+            "inputs": generation_inputs(FRANCE, stream=True, sampling=sampling),
+            "request_id": request_id,
+            "parameters": {"vllm_priority": priority},
+            "enable_empty_final_response": True,
+        }
+
+    blocker = request("blocker", 5, 24)
+    queued = [request(f"low-{n}", 5, 4) for n in range(3)] + [request("urgent", 1, 4)]
+    blocker_running, all_final = asyncio.Event(), asyncio.Event()
+
+    async def requests() -> AsyncIterator[dict]:
+        yield blocker
+        # Only once it holds the slot: otherwise a low request could take it first.
+        await blocker_running.wait()
+        for item in queued:
+            yield item
+        await all_final.wait()
+
+    finished: list[str] = []
+    async with grpcclient.InferenceServerClient(one_slot_smollm2.ports.grpc_url) as client:
+        async for result, error in client.stream_infer(requests(), stream_timeout=120):
+            assert error is None, error
+            response = result.get_response()
+            blocker_running.set()
+            if response.parameters["triton_final_response"].bool_param:
+                finished.append(response.id)
+                if len(finished) == 1 + len(queued):
+                    all_final.set()
+                    break
+    assert finished[:2] == ["blocker", "urgent"], finished
