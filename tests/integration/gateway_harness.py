@@ -7,6 +7,8 @@ perf_analyzer) as well as from asyncio tests, without either side starving the o
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import tempfile
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -64,6 +66,16 @@ class GatewayThread:
     """A started Gateway whose event loop runs in a daemon thread."""
 
     def __init__(self, config: GatewayConfig, *, health_check_interval_s: float = 0.2) -> None:
+        # SQLite state (usage ledger, batch jobs) the test did not place goes to a private
+        # directory: never the shared .cache, which parallel test runs would share.
+        self._state = tempfile.TemporaryDirectory(prefix="qosgate-gateway-")
+        state = pathlib.Path(self._state.name)
+        if config.usage_db is None:
+            config = config.model_copy(update={"usage_db": str(state / "usage.sqlite3")})
+        if config.batch.db is None:
+            config = config.model_copy(
+                update={"batch": config.batch.model_copy(update={"db": str(state / "batch.sqlite3")})}
+            )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)
         self.gateway = Gateway(config, health_check_interval_s=health_check_interval_s)
@@ -88,6 +100,7 @@ class GatewayThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
             self.loop.close()
+            self._state.cleanup()
 
     def __enter__(self) -> GatewayThread:
         return self.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -83,9 +84,12 @@ async def gateway_before(
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(fake, upstream)
     port = upstream.add_insecure_port("127.0.0.1:0")
     await upstream.start()
+    state = tempfile.TemporaryDirectory(prefix="qosgate-edge-")
     config = parse_config(
         {
             "listen": "127.0.0.1:0",
+            "usage_db": f"{state.name}/usage.sqlite3",
+            "batch": {"db": f"{state.name}/batch.sqlite3"},
             "upstreams": [{"name": "fake", "url": f"127.0.0.1:{port}"}],
             "tenants": [{"name": "t", "api_keys": [{"key": KEY}], "max_class": "critical"}],
         }
@@ -98,6 +102,7 @@ async def gateway_before(
     finally:
         await gateway.stop(grace_s=0)
         await upstream.stop(None)
+        state.cleanup()
 
 
 async def test_priority_and_timeout_reach_triton_and_override_the_callers() -> None:
