@@ -30,19 +30,19 @@ import locale
 
 locale.setlocale(locale.LC_ALL, "C.UTF-8")
 
-import asyncio  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import threading  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import msgspec
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
 # vLLM is imported where it is used, not here: Triton imports model.py once more in a
 # short-lived stub for its auto-complete pass, and importing vLLM costs 7-15 s on 2 cores.
@@ -156,7 +156,9 @@ def _priority(request: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise InvalidRequest(f"request parameter {PRIORITY_PARAMETER} must be an integer, got {value!r}") from None
+        raise InvalidRequest(
+            f"request parameter {PRIORITY_PARAMETER} must be an integer, got {value!r}"
+        ) from None
 
 
 def parse_request(request: Any, max_model_len: int) -> GenerationRequest:
@@ -197,7 +199,13 @@ class EngineMetrics:
     def __init__(self, families: TritonEngineMetricFamilies) -> None:
         self._families = families
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
         families = self._families
         if scheduler_stats is not None:
             families.running.set(scheduler_stats.num_running_reqs)
@@ -285,10 +293,14 @@ class TritonPythonModel:
         self._senders: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
+        )
         self._thread.start()
         # The engine and its output-handling task belong to the loop thread.
-        self._engine: AsyncLLM = asyncio.run_coroutine_threadsafe(self._start_engine(engine_args), self._loop).result()
+        self._engine: AsyncLLM = asyncio.run_coroutine_threadsafe(
+            self._start_engine(engine_args), self._loop
+        ).result()
         self._max_model_len = self._engine.model_config.max_model_len
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self._loop)
         self.logger.log_info(
@@ -312,16 +324,19 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            except Exception as exc:  # one bad request must not fail the others in the batch
+            except Exception as exc:  # noqa: BLE001 - one bad request must not fail the batch
                 self.logger.log_error(f"vllm backend: cannot read request: {exc!r}")
                 sender.send(
-                    _error_response(f"cannot read request: {type(exc).__name__}", pb_utils.TritonError.INTERNAL),
+                    _error_response(
+                        f"cannot read request: {type(exc).__name__}", pb_utils.TritonError.INTERNAL
+                    ),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
             request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
-            asyncio.run_coroutine_threadsafe(self._start(request_id, generation, sender), self._loop)
-        return None
+            asyncio.run_coroutine_threadsafe(
+                self._start(request_id, generation, sender), self._loop
+            )
 
     async def _start(self, request_id: str, generation: GenerationRequest, sender: Any) -> None:
         from vllm.exceptions import VLLMClientError
@@ -342,10 +357,12 @@ class TritonPythonModel:
                 _error_response(str(exc), pb_utils.TritonError.INVALID_ARG),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
-        except Exception as exc:  # the model must keep serving other requests
+        except Exception as exc:  # noqa: BLE001 - the model must keep serving the others
             self.logger.log_error(f"vllm backend: request {request_id} failed: {exc!r}")
             sender.send(
-                _error_response(f"generation failed: {type(exc).__name__}", pb_utils.TritonError.INTERNAL),
+                _error_response(
+                    f"generation failed: {type(exc).__name__}", pb_utils.TritonError.INTERNAL
+                ),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
         finally:
@@ -358,7 +375,9 @@ class TritonPythonModel:
 
         engine = self._engine
         prompt = parse_model_prompt(engine.model_config, generation.prompt)
-        (engine_input,) = await engine.renderer.render_cmpl_async([prompt], engine.renderer.default_cmpl_tok_params)
+        (engine_input,) = await engine.renderer.render_cmpl_async(
+            [prompt], engine.renderer.default_cmpl_tok_params
+        )
         num_input_tokens = len(engine_input["prompt_token_ids"])
         if num_input_tokens >= self._max_model_len:
             raise InvalidRequest(
@@ -370,23 +389,33 @@ class TritonPythonModel:
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
             sender.send(self._response(output, generation, num_input_tokens), flags=flags)
 
-    def _response(self, output: RequestOutput, generation: GenerationRequest, num_input_tokens: int) -> Any:
+    def _response(
+        self, output: RequestOutput, generation: GenerationRequest, num_input_tokens: int
+    ) -> Any:
         completion = output.outputs[0]
         text = completion.text
         # Like the official backend: a non-streamed answer repeats the prompt unless
         # the client excludes it; stream deltas never do.
         if not generation.stream and not generation.exclude_input_in_output:
             text = generation.prompt + text
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
+        ]
         if generation.return_finish_reason:
             reason = completion.finish_reason or ""
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+            tensors.append(
+                pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_))
+            )
         if generation.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([num_input_tokens], dtype=np.uint32)))
+            tensors.append(
+                pb_utils.Tensor("num_input_tokens", np.array([num_input_tokens], dtype=np.uint32))
+            )
         if generation.return_num_output_tokens:
             # Streaming: the tokens in this delta; otherwise the whole completion.
             tensors.append(
-                pb_utils.Tensor("num_output_tokens", np.array([len(completion.token_ids)], dtype=np.uint32))
+                pb_utils.Tensor(
+                    "num_output_tokens", np.array([len(completion.token_ids)], dtype=np.uint32)
+                )
             )
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -400,7 +429,9 @@ class TritonPythonModel:
                 watched = [(rid, self._senders[rid], task) for rid, task in self._active.items()]
             for request_id, sender, task in watched:
                 if sender.is_cancelled() and not task.done():
-                    self.logger.log_info(f"vllm backend: request {request_id} cancelled by the client; aborting")
+                    self.logger.log_info(
+                        f"vllm backend: request {request_id} cancelled by the client; aborting"
+                    )
                     task.cancel()
 
     def finalize(self) -> None:

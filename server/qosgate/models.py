@@ -112,7 +112,9 @@ def convert_gguf(source: GgufSource, out_dir: pathlib.Path) -> None:
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     # Tied embeddings have no separate lm_head tensor in the GGUF.
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"GGUF weights do not match the config: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(
+            f"GGUF weights do not match the config: missing={missing} unexpected={unexpected}"
+        )
     if missing:
         model.tie_weights()
     model = model.to(torch.bfloat16)
@@ -123,7 +125,9 @@ def convert_gguf(source: GgufSource, out_dir: pathlib.Path) -> None:
         model.generation_config.save_pretrained(out_dir)
 
 
-def prepare_gguf_model(source: GgufSource, *, force: bool = False, hf_home: pathlib.Path | None = None) -> pathlib.Path:
+def prepare_gguf_model(
+    source: GgufSource, *, force: bool = False, hf_home: pathlib.Path | None = None
+) -> pathlib.Path:
     """Make `source.hub_id` resolvable offline from the hub cache; returns its snapshot."""
     existing = snapshot_dir(source.hub_id, hf_home)
     if existing is not None and not force:
@@ -146,7 +150,12 @@ def prepare_gguf_model(source: GgufSource, *, force: bool = False, hf_home: path
             retired = pathlib.Path(tmp) / "retired"
             entry.rename(retired)
         staged.rename(entry)
-    log.info("%s prepared in %.0fs at %s", source.hub_id, time.monotonic() - started, entry / "snapshots" / revision)
+    log.info(
+        "%s prepared in %.0fs at %s",
+        source.hub_id,
+        time.monotonic() - started,
+        entry / "snapshots" / revision,
+    )
     return entry / "snapshots" / revision
 
 

@@ -93,9 +93,8 @@ def test_model_that_fails_to_load_raises_with_the_log_tail(tmp_path: pathlib.Pat
         model_repository=tmp_path / "repo",
         log_path=tmp_path / "triton.log",
     )
-    with pytest.raises(TritonStartError) as failed:
-        with server:
-            pass
+    with pytest.raises(TritonStartError) as failed, server:
+        pass
     message = str(failed.value)
     assert "exited" in message
     assert "weights for broken-model-7f3a are missing" in message

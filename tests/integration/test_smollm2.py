@@ -31,9 +31,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "smollm2"
 # SmolLM2-Instruct's chat template, written out: the backend takes a raw prompt.
-FRANCE = (
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-)
+FRANCE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0}
 
 
@@ -60,7 +58,9 @@ def _tensor(name: str, datatype: str, value: object) -> grpcclient.InferInput:
     return tensor
 
 
-def generation_inputs(prompt: str, *, stream: bool, sampling: dict | None = None) -> list[grpcclient.InferInput]:
+def generation_inputs(
+    prompt: str, *, stream: bool, sampling: dict | None = None
+) -> list[grpcclient.InferInput]:
     inputs = [
         _tensor("text_input", "BYTES", prompt.encode()),
         _tensor("stream", "BOOL", stream),
@@ -95,7 +95,9 @@ def _chunk(result: grpcclient.InferResult) -> Chunk:
 class StreamCall:
     """One gRPC bidi stream carrying one request; iterate its chunks, or cancel it."""
 
-    def __init__(self, client: grpcclient.InferenceServerClient, inputs: list, parameters: dict | None = None) -> None:
+    def __init__(
+        self, client: grpcclient.InferenceServerClient, inputs: list, parameters: dict | None = None
+    ) -> None:
         self._done = asyncio.Event()
         self._responses = client.stream_infer(
             self._requests(inputs, parameters), stream_timeout=300
@@ -189,7 +191,9 @@ async def test_cancelled_stream_is_aborted_in_the_engine(smollm2: LocalTriton) -
     async with grpcclient.InferenceServerClient(smollm2.ports.grpc_url) as client:
         call = StreamCall(
             client,
-            generation_inputs(FRANCE, stream=True, sampling={"max_tokens": budget, "ignore_eos": True}),
+            generation_inputs(
+                FRANCE, stream=True, sampling={"max_tokens": budget, "ignore_eos": True}
+            ),
         )
         received = 0
         with pytest.raises(asyncio.CancelledError):
@@ -215,11 +219,15 @@ async def test_cancelled_stream_is_aborted_in_the_engine(smollm2: LocalTriton) -
 
 async def test_32_concurrent_streams_all_complete(smollm2: LocalTriton) -> None:
     sampling = {"max_tokens": 32, "ignore_eos": True, "temperature": 0.8, "seed": 1}
-    questions = [f"<|im_start|>user\nCount to {n}.<|im_end|>\n<|im_start|>assistant\n" for n in range(32)]
+    questions = [
+        f"<|im_start|>user\nCount to {n}.<|im_end|>\n<|im_start|>assistant\n" for n in range(32)
+    ]
     started = time.monotonic()
     results = await asyncio.gather(
         *(
-            generate(generation_inputs(q, stream=True, sampling=sampling), url=smollm2.ports.grpc_url)
+            generate(
+                generation_inputs(q, stream=True, sampling=sampling), url=smollm2.ports.grpc_url
+            )
             for q in questions
         )
     )
@@ -231,7 +239,10 @@ async def test_32_concurrent_streams_all_complete(smollm2: LocalTriton) -> None:
 
 
 def _prompt_with_sampling(raw: bytes) -> Callable[[], list[grpcclient.InferInput]]:
-    return lambda: [_tensor("text_input", "BYTES", b"hi"), _tensor("sampling_parameters", "BYTES", raw)]
+    return lambda: [
+        _tensor("text_input", "BYTES", b"hi"),
+        _tensor("sampling_parameters", "BYTES", raw),
+    ]
 
 
 MALFORMED = {
@@ -243,7 +254,10 @@ MALFORMED = {
         lambda: [_tensor("stream", "BOOL", False)],
         r"text_input",
     ),
-    "bad sampling JSON": (_prompt_with_sampling(b"{max_tokens: 4"), r"sampling_parameters is not valid JSON"),
+    "bad sampling JSON": (
+        _prompt_with_sampling(b"{max_tokens: 4"),
+        r"sampling_parameters is not valid JSON",
+    ),
     "unknown sampling key": (
         _prompt_with_sampling(b'{"max_tokenz": 4}'),
         r"unknown sampling parameter\(s\) max_tokenz",
@@ -252,7 +266,10 @@ MALFORMED = {
         _prompt_with_sampling(b'{"max_tokens": 100000}'),
         r"max_tokens=100000 exceeds the model's maximum length max_model_len=2048",
     ),
-    "invalid sampling value": (_prompt_with_sampling(b'{"temperature": -1}'), r"temperature must be non-negative"),
+    "invalid sampling value": (
+        _prompt_with_sampling(b'{"temperature": -1}'),
+        r"temperature must be non-negative",
+    ),
     "non-integer priority": (
         lambda: [_tensor("text_input", "BYTES", b"hi")],
         r"vllm_priority must be an integer",
@@ -261,7 +278,9 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-async def test_malformed_request_is_refused_and_model_keeps_serving(smollm2: LocalTriton, case: str) -> None:
+async def test_malformed_request_is_refused_and_model_keeps_serving(
+    smollm2: LocalTriton, case: str
+) -> None:
     make_inputs, message = MALFORMED[case]
     parameters = {"vllm_priority": "high"} if case == "non-integer priority" else None
     with pytest.raises(InferenceServerException) as refused:
@@ -283,7 +302,9 @@ async def test_malformed_request_is_refused_and_model_keeps_serving(smollm2: Loc
         ({"stream": False}, "text_input"),
     ],
 )
-def test_refusals_are_invalid_argument_class(smollm2: LocalTriton, body: dict, message: str) -> None:
+def test_refusals_are_invalid_argument_class(
+    smollm2: LocalTriton, body: dict, message: str
+) -> None:
     # gRPC stream errors carry only a message; Triton's HTTP generate endpoint shows
     # the class: INVALID_ARG becomes 400 (INTERNAL would be 500).
     url = f"http://127.0.0.1:{smollm2.ports.http}/v2/models/{MODEL}/generate"
