@@ -1,0 +1,283 @@
+"""deploy/kubernetes cannot be applied here (no cluster): parse every manifest and check
+what a typo would break: selectors against pod labels, Service and probe ports against
+container ports, ConfigMap/Secret references and keys, the gateway config it assembles
+(validated by qosgate itself) and its upstreams against the Triton StatefulSet."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from qosgate import paths
+from qosgate.config import GatewayConfig, parse_config
+
+DEPLOY = paths.project_root() / "deploy" / "kubernetes"
+WORKLOADS = ("Deployment", "StatefulSet")
+
+Manifest = dict[str, Any]
+
+
+def load_manifests() -> list[Manifest]:
+    docs = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        with path.open(encoding="utf-8") as f:
+            docs.extend(doc for doc in yaml.safe_load_all(f) if doc is not None)
+    return docs
+
+
+MANIFESTS = load_manifests()
+
+
+def of_kind(kind: str) -> list[Manifest]:
+    return [m for m in MANIFESTS if m["kind"] == kind]
+
+
+def named(kind: str, name: str) -> Manifest:
+    found = [m for m in of_kind(kind) if m["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {name!r}: {len(found)} defined"
+    return found[0]
+
+
+def workloads() -> list[Manifest]:
+    return [m for m in MANIFESTS if m["kind"] in WORKLOADS]
+
+
+def pod_spec(workload: Manifest) -> Manifest:
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(workload: Manifest) -> Iterator[Manifest]:
+    spec = pod_spec(workload)
+    yield from spec.get("initContainers", [])
+    yield from spec["containers"]
+
+
+def selected(selector: dict[str, str]) -> list[Manifest]:
+    """Workloads whose pods carry every label of `selector`."""
+    assert selector, "an empty selector matches every pod"
+    return [
+        w
+        for w in workloads()
+        if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def container_ports(workload: Manifest) -> dict[str | int, int]:
+    """Port name and number → number, over the workload's containers."""
+    ports: dict[str | int, int] = {}
+    for container in pod_spec(workload)["containers"]:
+        for port in container.get("ports", []):
+            ports[port["containerPort"]] = port["containerPort"]
+            if "name" in port:
+                ports[port["name"]] = port["containerPort"]
+    return ports
+
+
+def data_keys(kind: str, name: str) -> set[str]:
+    manifest = named(kind, name)
+    return set(manifest.get("data", {})) | set(manifest.get("stringData", {}))
+
+
+def gateway_config() -> GatewayConfig:
+    """The file the gateway's init container assembles: ConfigMap part, then Secret part."""
+    base = named("ConfigMap", "qosgate-gateway")["data"]["gateway.yaml"]
+    tenants = named("Secret", "qosgate-tenants")["stringData"]["tenants.yaml"]
+    return parse_config(yaml.safe_load(base + tenants), source="deploy/kubernetes")
+
+
+def test_every_manifest_is_in_the_kustomization_and_well_formed() -> None:
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    on_disk = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+    for manifest in MANIFESTS:
+        assert {"apiVersion", "kind", "metadata"} <= manifest.keys()
+        assert manifest["metadata"]["name"]
+
+
+def test_workload_selectors_match_their_pods() -> None:
+    for workload in workloads():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_services_select_pods_that_have_their_ports() -> None:
+    for service in of_kind("Service"):
+        name = service["metadata"]["name"]
+        targets = selected(service["spec"]["selector"])
+        assert len(targets) == 1, f"Service {name} selects {len(targets)} workloads"
+        ports = container_ports(targets[0])
+        for port in service["spec"]["ports"]:
+            assert port.get("targetPort", port["port"]) in ports, f"Service {name}: {port}"
+
+
+def test_probes_use_declared_ports() -> None:
+    for workload in workloads():
+        ports = container_ports(workload)
+        for container in pod_spec(workload)["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                spec = container.get(probe)
+                if spec is None:
+                    continue
+                (kind,) = [k for k in ("grpc", "httpGet", "tcpSocket", "exec") if k in spec]
+                if kind != "exec":
+                    assert spec[kind]["port"] in ports, f"{container['name']} {probe}"
+
+
+def test_gateway_readiness_is_the_grpc_health_service_on_its_listen_port() -> None:
+    gateway = named("Deployment", "qosgate-gateway")
+    (container,) = pod_spec(gateway)["containers"]
+    config = gateway_config()
+    listen_port = int(config.listen.rsplit(":", 1)[1])
+    assert container["readinessProbe"]["grpc"]["port"] == listen_port
+    assert container_ports(gateway)["grpc"] == listen_port
+    assert container_ports(gateway)["metrics"] == int(config.metrics_listen.rsplit(":", 1)[1])
+    assert config.listen.startswith("0.0.0.0:")  # reachable from the Service
+
+
+def test_configmap_and_secret_references_exist() -> None:
+    for workload in workloads():
+        spec = pod_spec(workload)
+        for volume in spec.get("volumes", []):
+            for kind, source, field in (
+                ("ConfigMap", volume.get("configMap"), "name"),
+                ("Secret", volume.get("secret"), "secretName"),
+            ):
+                if source is None:
+                    continue
+                keys = data_keys(kind, source[field])
+                for item in source.get("items", []):
+                    assert item["key"] in keys, f"{kind} {source[field]} has no {item['key']}"
+        for container in containers(workload):
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {})
+                for kind, key in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
+                    if key not in ref:
+                        continue
+                    if ref[key].get("optional") and not any(
+                        m["metadata"]["name"] == ref[key]["name"] for m in of_kind(kind)
+                    ):
+                        continue  # created by the operator when wanted (e.g. hf-token)
+                    assert ref[key]["key"] in data_keys(kind, ref[key]["name"])
+            mounts = {m["name"] for m in container.get("volumeMounts", [])}
+            assert mounts <= {v["name"] for v in spec.get("volumes", [])} | {
+                t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])
+            }
+
+
+def test_gateway_config_assembles_and_validates() -> None:
+    config = gateway_config()
+    assert config.tenants, "no tenants in the Secret"
+    assert all(key.sha256 for tenant in config.tenants for key in tenant.api_keys)
+    gateway = named("Deployment", "qosgate-gateway")
+    init = {c["name"]: c for c in pod_spec(gateway)["initContainers"]}["assemble-config"]
+    (main,) = pod_spec(gateway)["containers"]
+    assert init["image"] == main["image"]
+    script = init["command"][-1]
+    assert "/run/qosgate/gateway.yaml" in main["args"]
+    # The init script reads the files where the volumes put them and writes the main
+    # container's config into the volume both mount.
+    for mount, source in (("base-config", "gateway.yaml"), ("tenants", "tenants.yaml")):
+        (path,) = [m["mountPath"] for m in init["volumeMounts"] if m["name"] == mount]
+        assert f"{path}/{source}" in script
+    assert script.index("gateway.yaml") < script.index("tenants.yaml")  # tenants: last key
+
+
+def test_gateway_shares_quota_state_through_the_redis_service() -> None:
+    store = gateway_config().quota_store
+    assert store.backend == "redis"
+    url = urlsplit(store.redis_url)
+    redis_service = named("Service", url.hostname or "")
+    assert url.port in {p["port"] for p in redis_service["spec"]["ports"]}
+    (container,) = pod_spec(named("Deployment", "qosgate-gateway"))["containers"]
+    assert store.password_env in {e["name"] for e in container["env"]}
+    redis = named("Deployment", "redis")
+    (redis_container,) = pod_spec(redis)["containers"]
+    assert "$(REDIS_PASSWORD)" in redis_container["args"]
+
+
+def test_upstreams_are_the_triton_replicas() -> None:
+    triton = named("StatefulSet", "triton")
+    headless = named("Service", triton["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert selected(headless["spec"]["selector"]) == [triton]
+    grpc_port = container_ports(triton)["grpc"]
+    service_ports = {p["port"]: p.get("targetPort") for p in headless["spec"]["ports"]}
+    expected = {
+        f"triton-{i}.{headless['metadata']['name']}:{grpc_port}"
+        for i in range(triton["spec"]["replicas"])
+    }
+    assert {u.url for u in gateway_config().upstreams} == expected
+    assert service_ports[grpc_port] in ("grpc", grpc_port)
+
+
+def test_triton_is_internal_and_on_gpus() -> None:
+    for service in of_kind("Service"):
+        if service["metadata"]["name"] != "qosgate":
+            assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    triton = named("StatefulSet", "triton")
+    (container,) = pod_spec(triton)["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    gateway_pods = named("Deployment", "qosgate-gateway")["spec"]["template"]["metadata"]["labels"]
+    for policy in of_kind("NetworkPolicy"):
+        (target,) = selected(policy["spec"]["podSelector"]["matchLabels"])
+        ports = container_ports(target)
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                assert peer["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+            for port in rule["ports"]:
+                assert port["port"] in ports
+    protected = {
+        selected(p["spec"]["podSelector"]["matchLabels"])[0]["metadata"]["name"]
+        for p in of_kind("NetworkPolicy")
+    }
+    assert protected == {"triton", "redis"}
+
+
+def test_disruption_budgets_select_workloads() -> None:
+    budgets = of_kind("PodDisruptionBudget")
+    assert budgets
+    for budget in budgets:
+        (target,) = selected(budget["spec"]["selector"]["matchLabels"])
+        assert target["spec"]["replicas"] > budget["spec"]["maxUnavailable"]
+
+
+def _model_repository_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("model_repository", DEPLOY / "model_repository.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_repository_configmap_matches_its_sources() -> None:
+    render = _model_repository_module()
+    configmap = named("ConfigMap", render.CONFIGMAP)
+    files = render.repository_files()
+    stale = "stale: python deploy/kubernetes/model_repository.py > deploy/kubernetes/triton-models.yaml"
+    assert configmap["data"] == {render.key_of(path): text for path, text in files.items()}, stale
+    assert (DEPLOY / "triton-models.yaml").read_text() == render.render(), stale
+    # The StatefulSet's volume puts every file back at its path in the repository.
+    (volume,) = [
+        v for v in pod_spec(named("StatefulSet", "triton"))["volumes"] if "configMap" in v
+    ]
+    assert volume["configMap"]["name"] == render.CONFIGMAP
+    assert {i["key"]: i["path"] for i in volume["configMap"]["items"]} == {
+        render.key_of(path): path for path in files
+    }
+
+
+@pytest.mark.parametrize("model", ["llama31_8b_instruct", "minilm"])
+def test_gateway_policies_name_served_models(model: str) -> None:
+    served = {path.split("/")[0] for path in _model_repository_module().repository_files()}
+    assert model in served
+    assert model in gateway_config().models
