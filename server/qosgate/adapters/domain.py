@@ -80,12 +80,3 @@ class GenerationChunk:
     final: bool = False
     finish_reason: FinishReason | None = None
     usage: TokenCounts | None = None
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """A whole completion, assembled from chunks for unary calls."""
-
-    text: str
-    finish_reason: FinishReason
-    usage: TokenCounts

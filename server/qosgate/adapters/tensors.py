@@ -65,9 +65,6 @@ class TensorReader:
         self._response = response
         self._index = {t.name: i for i, t in enumerate(response.outputs)}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._index
-
     def _raw(self, index: int) -> bytes | None:
         raw = self._response.raw_output_contents
         return raw[index] if index < len(raw) else None
