@@ -24,8 +24,6 @@ import grpc
 import numpy as np
 import pytest
 import redis
-import redis.asyncio as aioredis
-
 from conftest import free_port, require_model
 from gateway_harness import TINY_KEY, GatewayThread, gateway_config
 from qosgate.auth import Tenant
@@ -64,12 +62,18 @@ class RedisServer:
         self._process = subprocess.Popen(
             [
                 "redis-server",
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self._workdir),
-                "--logfile", str(self._workdir / "redis.log"),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self._workdir),
+                "--logfile",
+                str(self._workdir / "redis.log"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -203,24 +207,28 @@ _CRASHING_GATEWAY = textwrap.dedent(
 @ON_SESSION_LOOP
 async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: RedisServer) -> None:
     prefix = f"test-{uuid.uuid4().hex[:8]}"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _CRASHING_GATEWAY, redis_server.url, prefix],
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CRASHING_GATEWAY,
+        redis_server.url,
+        prefix,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert holder.stdout is not None
-    line = await asyncio.to_thread(holder.stdout.readline)
     clock = MonotonicClock()
     store = RedisQuotaStore.from_config(store_config(redis_server, prefix), clock=clock)
     admission = Admission(store, clock)
     acme = tenant(max_concurrent=1)
     try:
+        line = await asyncio.wait_for(holder.stdout.readline(), timeout=30)
         assert line.strip() == b"held"
         # While the holder lives it renews its lease: still held well past one lease.
         await asyncio.sleep(2.0)
         assert isinstance(await admission.admit(acme), Refused)
         holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        await holder.wait()
         killed = time.monotonic()
         while not isinstance(verdict := await admission.admit(acme), Admitted):
             assert time.monotonic() - killed < 5.0, "the dead gateway's slot never expired"
@@ -229,9 +237,9 @@ async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: R
         assert time.monotonic() - killed > 0.3
         await verdict.permit.release()
     finally:
-        if holder.poll() is None:
+        if holder.returncode is None:
             holder.kill()
-            holder.wait()
+            await holder.wait()
         await store.aclose()
 
 
@@ -244,9 +252,7 @@ async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
     clock = FakeClock()  # paces the outage probes only; the buckets use Redis time
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     deny = RedisQuotaStore.from_config(store_config(server, prefix), clock=clock)
-    allow = RedisQuotaStore.from_config(
-        store_config(server, prefix, on_error="allow"), clock=clock
-    )
+    allow = RedisQuotaStore.from_config(store_config(server, prefix, on_error="allow"), clock=clock)
     closed, open_ = Admission(deny, clock), Admission(allow, clock)
     acme = tenant(requests_per_second=0.1, burst=100, max_concurrent=100)
     try:

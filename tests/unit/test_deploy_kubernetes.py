@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
-
 from qosgate import paths
 from qosgate.config import GatewayConfig, parse_config
 
@@ -252,7 +250,9 @@ def test_disruption_budgets_select_workloads() -> None:
 
 
 def _model_repository_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("model_repository", DEPLOY / "model_repository.py")
+    spec = importlib.util.spec_from_file_location(
+        "model_repository", DEPLOY / "model_repository.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -263,13 +263,13 @@ def test_model_repository_configmap_matches_its_sources() -> None:
     render = _model_repository_module()
     configmap = named("ConfigMap", render.CONFIGMAP)
     files = render.repository_files()
-    stale = "stale: python deploy/kubernetes/model_repository.py > deploy/kubernetes/triton-models.yaml"
+    stale = (
+        "stale: python deploy/kubernetes/model_repository.py > deploy/kubernetes/triton-models.yaml"
+    )
     assert configmap["data"] == {render.key_of(path): text for path, text in files.items()}, stale
     assert (DEPLOY / "triton-models.yaml").read_text() == render.render(), stale
     # The StatefulSet's volume puts every file back at its path in the repository.
-    (volume,) = [
-        v for v in pod_spec(named("StatefulSet", "triton"))["volumes"] if "configMap" in v
-    ]
+    (volume,) = [v for v in pod_spec(named("StatefulSet", "triton"))["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == render.CONFIGMAP
     assert {i["key"]: i["path"] for i in volume["configMap"]["items"]} == {
         render.key_of(path): path for path in files

@@ -321,10 +321,6 @@ class RedisQuotaStore:
             raise_on_deny=False,
         )
 
-    def held_slots(self, tenant: str) -> int:
-        """Concurrency slots this process holds for `tenant` (its share of the total)."""
-        return len(self._held.get(tenant, ()))
-
     async def aclose(self) -> None:
         """Stop renewing leases and close the connections (held slots then expire)."""
         if self._renewal is not None:
@@ -343,7 +339,8 @@ class RedisQuotaStore:
     ) -> _T | None:
         """Run a script; None when Redis is unreachable and the on_error policy admits."""
         if self._unreachable_since is not None and self._clock.now() < self._next_probe:
-            return self._unreachable(raise_on_deny)
+            self._refuse_if_closed(raise_on_deny)
+            return None
         try:
             reply = await script(keys=keys, args=args)
         except _UNREACHABLE as e:
@@ -357,7 +354,8 @@ class RedisQuotaStore:
                     type(e).__name__,
                     "admitting unchecked" if self._on_error == "allow" else "refusing",
                 )
-            return self._unreachable(raise_on_deny)
+            self._refuse_if_closed(raise_on_deny)
+            return None
         if self._unreachable_since is not None:
             log.warning(
                 "quota store %s reachable again after %.1f s",
@@ -367,7 +365,7 @@ class RedisQuotaStore:
             self._unreachable_since = None
         return reply
 
-    def _unreachable(self, raise_on_deny: bool) -> None:
+    def _refuse_if_closed(self, raise_on_deny: bool) -> None:
         if raise_on_deny and self._on_error == "deny":
             raise Unavailable("quota store unreachable", retry_after_s=PROBE_INTERVAL_S)
 
@@ -406,7 +404,7 @@ class RedisQuotaStore:
         return f"{self._prefix}:{{{tenant}}}:slots"
 
 
-def _arg(value: float | int | None) -> str | float | int:
+def _arg(value: float | None) -> str | float | int:
     return "" if value is None else value
 
 
