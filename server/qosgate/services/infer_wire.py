@@ -186,8 +186,7 @@ def peek_stream_response(buf: bytes) -> StreamResponseHead:
 
 
 def _varint(value: int) -> bytes:
-    if value < 0:
-        value += 1 << 64  # int64 negatives are ten-byte two's complement varints
+    # Only non-negative values are ever encoded here (levels, lengths, microseconds).
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)

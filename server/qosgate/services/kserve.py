@@ -18,7 +18,6 @@ Upstream Triton errors go back with Triton's own code, details and trailers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
