@@ -10,7 +10,8 @@ either would let a bucket refill too fast or not at all when replicas take turns
 time is the one reading all replicas agree on. The `now` the `QuotaStore` protocol passes
 in is therefore unused here.
 
-Keys of one tenant share a hash tag (`{tenant}`), so the scripts also run on Redis Cluster.
+Keys of one tenant share a hash tag (`{tenant}`): each script touches one cluster slot,
+ready for Redis Cluster (this store connects to one server).
 - `<prefix>:{t}:rps:<rate>:<burst>`  hash: request bucket (level, updated)
 - `<prefix>:{t}:tpm:<per minute>`    hash: token bucket (level, updated)
 - `<prefix>:{t}:slots`               sorted set: concurrency slot id → lease expiry
