@@ -218,3 +218,28 @@ async def test_health_watch_follows_upstream_readiness() -> None:
         second = await asyncio.wait_for(watch.read(), timeout=10)
         assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
+
+
+async def test_an_upstream_stream_failure_reaches_the_caller_with_its_code() -> None:
+    class FailingTriton(FakeTriton):
+        async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+            async for request in request_iterator:
+                response = service_pb2.ModelStreamInferResponse()
+                response.infer_response.id = request.id
+                response.infer_response.outputs.add(name="text_output")
+                await context.write(response)
+                await context.abort(grpc.StatusCode.CANCELLED, "triton is shutting down")
+
+    async with gateway_before(FailingTriton()) as stub:
+
+        async def one_request_then_wait():
+            yield service_pb2.ModelInferRequest(model_name="m", id="r")
+            await asyncio.Event().wait()
+
+        call = stub.ModelStreamInfer(one_request_then_wait(), metadata=AUTH, timeout=20)
+        first = await call.read()
+        assert first.infer_response.id == "r"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.read()
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+        assert caught.value.details() == "triton is shutting down"

@@ -468,8 +468,9 @@ class _StreamSession:
                         continue  # the empty final response we asked for, not the caller
                 self._outbox.put_nowait(raw + infer_wire.stream_response_id_fragment(entry.client_id))
         except grpc.aio.AioRpcError as e:
-            if e.code() is not grpc.StatusCode.CANCELLED:
-                self._upstream_error = e
+            # Any end but OK goes to the caller, CANCELLED included (Triton gave up on the
+            # stream): only this session cancels the call itself, and then nobody listens.
+            self._upstream_error = e
         finally:
             for entry in self._in_flight.values():
                 entry.done.set()
