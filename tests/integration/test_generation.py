@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from qosgate.launcher import LocalTriton
@@ -319,3 +320,10 @@ def test_errors_are_clear(generation: generation_pb2_grpc.GenerationServiceStub)
     with pytest.raises(grpc.RpcError) as anonymous:
         generation.Generate(generation_pb2.GenerateRequest(model="smollm2", prompt="x"), timeout=30)
     assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_reflection_lists_the_generation_api(channel: grpc.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    services = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert {"qosgate.v1.GenerationService", "qosgate.v1.AdminService"} <= services
