@@ -232,3 +232,20 @@ def test_requests_match_the_model_configs(kind: str, config: str) -> None:
     assert required <= {t.name for t in request.inputs}
     outputs = {o.name for o in model.output}
     assert "text_output" in outputs
+
+
+# SmolLM2-Instruct's own template (tokenizer_config.json), as a model card would give it.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_hugging_face_template_renders_as_transformers_would() -> None:
+    prompt = ChatTemplate(SMOLLM2_TEMPLATE).render([ChatMessage(Role.USER, "Hi")])
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
