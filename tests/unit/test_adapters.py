@@ -171,9 +171,21 @@ def test_template_errors_are_clear() -> None:
 
 
 def test_template_sandbox_blocks_python_internals() -> None:
-    sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}|{{ ''.__class__.__subclasses__() }}")
     with pytest.raises(InvalidArgument):
         sneaky.render([ChatMessage(Role.USER, "x")])
+    quiet = ChatTemplate("{{ messages.__class__ }}")
+    assert "class" not in quiet.render([ChatMessage(Role.USER, "x")])
+
+
+def test_template_globals_of_the_hugging_face_dialect() -> None:
+    template = ChatTemplate(
+        "{% if tools is defined and tools %}tools{% endif %}{{ undefined_thing }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+        "|{{ strftime_now('%Y') }}"
+    )
+    rendered = template.render([ChatMessage(Role.USER, "first"), ChatMessage(Role.USER, "second")])
+    assert rendered.startswith("first|") and rendered[-4:].isdigit()
 
 
 def _tiny_tokenizer(path: Path) -> Path:

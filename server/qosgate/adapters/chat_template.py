@@ -1,16 +1,21 @@
 """Chat templates: a conversation rendered into the prompt one model was trained on.
 
 Templates are Jinja2 in the Hugging Face `tokenizer_config.json` dialect (variables
-`messages` with `role`/`content`, `add_generation_prompt`, `bos_token`, `eos_token`), so a
-model's own template can be pasted into the gateway config unchanged. They render in a
-sandbox: config is trusted, but a template is code and should not reach Python objects.
+`messages` with `role`/`content`, `add_generation_prompt`, `bos_token`, `eos_token`;
+`raise_exception` and `strftime_now`; loop controls; undefined variables such as `tools`
+render empty), set up as transformers' `apply_chat_template` does, so a model's own
+template can be pasted into the gateway config unchanged. They render in a sandbox:
+config is trusted, but a template is code and should not reach Python objects.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import datetime as dt
+
 import jinja2
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from qosgate.adapters.domain import ChatMessage
@@ -38,10 +43,9 @@ class ChatTemplate:
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         """`source` is Jinja2 text or the name of a built-in template (`chatml`)."""
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
-        )
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(BUILTIN_TEMPLATES.get(source, source))
         except jinja2.TemplateSyntaxError as exc:
@@ -70,6 +74,11 @@ class ChatTemplate:
 
 class _TemplateRefusal(Exception):
     pass
+
+
+def _strftime_now(format: str) -> str:
+    # Llama 3.x templates stamp the system prompt with today's date.
+    return dt.datetime.now().strftime(format)
 
 
 def _raise_exception(message: str) -> None:
