@@ -165,13 +165,27 @@ def test_over_tokens_per_minute_is_resource_exhausted_with_retry_info(
         timeout=120,
     )
     assert second.usage.completion_tokens < 100
-    # ...but a third that would need more than is left is refused, with a retry hint.
-    with pytest.raises(grpc.RpcError) as refused:
-        generation.Generate(
-            generation_pb2.GenerateRequest(**_chat("smollm2", max_tokens=990)),
-            metadata=_metadata(METERED_KEY),
-            timeout=120,
-        )
+    # While a long generation holds its reservation (its tokens are not known until it
+    # ends), another that needs more than is left is refused, with a retry hint.
+    long = generation.GenerateStream(
+        generation_pb2.GenerateStreamRequest(
+            model="smollm2",
+            prompt="Write a very long story about a dragon.\n",
+            sampling=generation_pb2.SamplingParams(max_tokens=600, temperature=0.0),
+        ),
+        metadata=_metadata(METERED_KEY),
+        timeout=120,
+    )
+    next(long)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            generation.Generate(
+                generation_pb2.GenerateRequest(**_chat("smollm2", max_tokens=600)),
+                metadata=_metadata(METERED_KEY),
+                timeout=120,
+            )
+    finally:
+        long.cancel()
     assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     rich = rpc_status.from_call(refused.value)
     assert rich is not None
