@@ -144,7 +144,9 @@ class KServeService:
                 check(tenant, request)
                 reply = await self._forward(method, request, context)
                 return reply if reply_filter is None else reply_filter(tenant, reply)
-            except errors.GatewayError as e:
+            except grpc.aio.AbortError:
+                raise  # already answered (an upstream error passed through)
+            except Exception as e:  # domain errors by the table; anything else is INTERNAL
                 await status.abort(context, e)
                 raise
 
