@@ -349,7 +349,7 @@ class _StreamSession:
         self._tasks: set[asyncio.Task[None]] = set()
         self._write_lock = asyncio.Lock()
         self._upstream_error: grpc.aio.AioRpcError | None = None
-        self._fatal: errors.GatewayError | None = None
+        self._fatal: Exception | None = None
         self._close_on_error = self._metadata.get(GRPC_ERROR_HEADER, "").lower() == "true"
         self._prefix = f"qg{next(service._stream_ids)}-"
         self._upstream_name = ""
@@ -442,7 +442,7 @@ class _StreamSession:
                     )
         except grpc.aio.AioRpcError:
             return  # the upstream stream failed under us; the reader reports it
-        except errors.GatewayError as e:
+        except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
             svc._record(outcome, e)
             if self._close_on_error:
                 self._fatal = e
