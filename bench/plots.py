@@ -22,3 +22,7 @@ def save(fig: Any, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# One colour per target in every plot, so panels read together.
+COLORS = {"direct": "tab:blue", "nginx": "tab:orange", "qosgate": "tab:green"}

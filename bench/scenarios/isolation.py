@@ -77,6 +77,9 @@ class Workload:
     streaming: bool
     critical_rate: float
     timeout: float
+    # The flood gives up sooner; its cancels reach Triton, which bounds the backlog a phase
+    # leaves behind (and so the run's length).
+    batch_timeout: float
 
 
 def embedding(priority: int) -> object:
@@ -90,26 +93,27 @@ def generation(priority: int) -> object:
 async def capacity(target: load.Target, work: Workload, caller: load.Caller, seconds: float) -> float:
     """Completed requests per second with a closed loop deep enough to fill batches twice."""
     request = work.make(caller.triton_priority)
-    send = _sender(target, work, caller, request)
+    send = _sender(target, caller, request, work.streaming, work.timeout)
     begin = target.now()
     done = await load.closed_loop(send, CAPACITY_DEPTH, begin + seconds, target.now)
     return sum(o.ok for o in done) / max(target.now() - begin, 1e-9)
 
 
-def _sender(target: load.Target, work: Workload, caller: load.Caller, request: object
-            ) -> load.Send:
-    call = target.stream if work.streaming else target.infer
-    return lambda: call(caller, request, work.timeout)  # type: ignore[arg-type]
+def _sender(target: load.Target, caller: load.Caller, request: object, streaming: bool,
+            timeout: float) -> load.Send:
+    call = target.stream if streaming else target.infer
+    return lambda: call(caller, request, timeout)  # type: ignore[arg-type]
 
 
 async def run_phase(target: load.Target, name: str, work: Workload, flood: int, cap: float,
                     seconds: float, critical: load.Caller, batch: load.Caller) -> Phase:
     start = target.now()
     until = start + seconds
-    crit_send = _sender(target, work, critical, work.make(critical.triton_priority))
+    crit_send = _sender(target, critical, work.make(critical.triton_priority), work.streaming, work.timeout)
     jobs = [load.open_loop(crit_send, work.critical_rate, until, target.now, seed=1)]
     if flood:
-        batch_send = _sender(target, work, batch, work.make(batch.triton_priority))
+        batch_send = _sender(target, batch, work.make(batch.triton_priority), work.streaming,
+                             work.batch_timeout)
         jobs.append(load.open_loop(batch_send, flood * cap, until, target.now, seed=2))
     results = await asyncio.gather(*jobs)
     phase = Phase(work.model, name, flood, (start, until), results[0], results[1] if flood else [])
@@ -141,17 +145,19 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
 
 
 def run(ctx: RunContext) -> ScenarioResult:
-    seconds = ctx.pick(8.0, 30.0)
+    seconds = ctx.pick(6.0, 30.0)
     works = [
-        Workload("minilm", embedding, streaming=False, critical_rate=3.0, timeout=10.0),
-        Workload("smollm2", generation, streaming=True, critical_rate=1.0, timeout=60.0),
+        Workload("minilm", embedding, streaming=False, critical_rate=10.0, timeout=10.0, batch_timeout=10.0),
+        Workload("smollm2", generation, streaming=True, critical_rate=2.0, timeout=60.0, batch_timeout=15.0),
     ]
     phases: list[Phase] = []
     capacities: dict[str, float] = {}
     notes = [f"{seconds:.0f} s per phase; floods are Poisson open loops at the multiple of the capacity "
              f"measured first (closed loop, {CAPACITY_DEPTH} deep, straight at Triton); critical: Poisson "
              + ", ".join(f"{w.critical_rate}/s on {w.model}" for w in works)
-             + "; smollm2 streams of 16 tokens (ignore_eos); direct = Triton priority 1 (critical) / 4 (batch); "
+             + "; smollm2 streams of 16 tokens (ignore_eos); deadlines critical/batch "
+             + ", ".join(f"{w.model} {w.timeout:g}/{w.batch_timeout:g} s" for w in works)
+             + "; direct = Triton priority 1 (critical) / 4 (batch); "
              "qosgate dispatch windows " + ", ".join(f"{m} {p['dispatch_window']}" for m, p in DISPATCH_WINDOWS.items())
              + ". Triton's batcher with priority levels (minilm) stalls some requests ~500 ms even "
              "unloaded, which inflates the direct baseline; the reference shows the absolute p99s."]
@@ -200,16 +206,17 @@ def draw(phases: list[Phase], path: pathlib.Path) -> None:
     fig, axes = plots.panels(2 * len(models))
     for i, model in enumerate(models):
         lat_ax, good_ax = axes[2 * i], axes[2 * i + 1]
-        for target, style in (("direct", "--"), ("qosgate", "-")):
+        for target in ("direct", "qosgate"):
             mine = [p for p in phases if p.model == model and p.target == target]
             if not mine:
                 continue
             xs = [p.load for p in mine]
-            for q in (50, 99):
+            color = plots.COLORS[target]
+            for q, style in ((50, "-"), (99, "--")):
                 lat_ax.plot(xs, [percentile(p.critical_latency(), q) * 1e3 for p in mine], style,
-                            marker="o", label=f"{target} critical p{q}")
-            good_ax.plot(xs, [p.batch_goodput() for p in mine], style,
-                         marker="o", label=f"{target} batch goodput")
+                            marker="o", color=color, label=f"{target} critical p{q}")
+            good_ax.plot(xs, [p.batch_goodput() for p in mine], marker="o", color=color,
+                         label=f"{target} batch goodput")
         metric = "TTFT" if model == "smollm2" else "latency"
         lat_ax.set_title(f"{model}: critical {metric}")
         lat_ax.set_ylabel("ms")

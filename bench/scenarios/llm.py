@@ -121,15 +121,17 @@ def run(ctx: RunContext) -> ScenarioResult:
 
 def draw(points: list[Point], path: pathlib.Path) -> None:
     fig, (tps, ttft, itl) = plots.panels(3)
-    for target, style in (("direct", "--"), ("qosgate", "-")):
+    for target in ("direct", "qosgate"):
         mine = [p for p in points if p.target == target]
         if not mine:
             continue
         xs = [p.concurrency for p in mine]
-        tps.plot(xs, [p.tokens_per_s() for p in mine], style, marker="o", label=target)
-        for q in (50, 99):
-            ttft.plot(xs, [percentile(p.ttft_ms(), q) for p in mine], style, marker="o", label=f"{target} p{q}")
-            itl.plot(xs, [percentile(p.itl_ms(), q) for p in mine], style, marker="o", label=f"{target} p{q}")
+        color = plots.COLORS[target]
+        tps.plot(xs, [p.tokens_per_s() for p in mine], marker="o", color=color, label=target)
+        for q, style in ((50, "-"), (99, "--")):
+            for ax, get in ((ttft, Point.ttft_ms), (itl, Point.itl_ms)):
+                ax.plot(xs, [percentile(get(p), q) for p in mine], style, marker="o", color=color,
+                        label=f"{target} p{q}")
     for ax, title, unit in ((tps, "output tokens/s", "tokens/s"), (ttft, "time to first token", "ms"),
                             (itl, "inter-token latency", "ms")):
         ax.set_xscale("log", base=2)

@@ -166,12 +166,13 @@ def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
     for target in targets:
         mine = [(c, s) for c, s in samples if s.target == target]
         xs = [c for c, _ in mine]
-        thr.plot(xs, [s.point.throughput for _, s in mine], marker="o", label=target)
+        color = plots.COLORS[target]
+        thr.plot(xs, [s.point.throughput for _, s in mine], marker="o", color=color, label=target)
         for name, get in metric.items():
             lat.plot(xs, [get(s) for _, s in mine], marker="o", linestyle="-" if name == "p50" else "--",
-                     label=f"{target} {name}")
+                     color=color, label=f"{target} {name}")
         if target != "direct":
-            cpu.plot(xs, [s.cpu_us_per_request for _, s in mine], marker="o", label=target)
+            cpu.plot(xs, [s.cpu_us_per_request for _, s in mine], marker="o", color=color, label=target)
     cpu.axhline(100, color="grey", linestyle=":", label="aim (qosgate)")
     for ax, title, unit in ((thr, "throughput", "infer/s"), (lat, "latency", "ms"),
                             (cpu, "hop CPU per request", "us")):
