@@ -18,6 +18,8 @@ from qosgate.config import GatewayConfig, parse_config
 
 DEPLOY = paths.project_root() / "deploy" / "kubernetes"
 WORKLOADS = ("Deployment", "StatefulSet")
+# Oldest Kubernetes the manifests target (gRPC readiness probes are GA since 1.27).
+KUBERNETES_VERSION = "1.30"
 
 Manifest = dict[str, Any]
 
@@ -100,6 +102,15 @@ def test_every_manifest_is_in_the_kustomization_and_well_formed() -> None:
     for manifest in MANIFESTS:
         assert {"apiVersion", "kind", "metadata"} <= manifest.keys()
         assert manifest["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    "manifest", MANIFESTS, ids=lambda m: f"{m['kind']}/{m['metadata']['name']}"
+)
+def test_manifest_matches_the_kubernetes_api_schema(manifest: Manifest) -> None:
+    # Strict: an unknown or misspelt field (`readinesProbe`) fails like a wrong type.
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
 
 
 def test_workload_selectors_match_their_pods() -> None:
