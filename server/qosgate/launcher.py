@@ -168,6 +168,9 @@ class LocalTriton:
             f"--metrics-port={self.ports.metrics}",
             "--allow-metrics=true",
             "--log-verbose=0",
+            # In-flight requests get this long to finish at stop; a local stack is stopped
+            # by Ctrl-C, where waiting Triton's default 30 s helps nobody.
+            "--exit-timeout-secs=5",
             *self.extra_args,
         ]
         return cmd
@@ -235,18 +238,23 @@ class LocalTriton:
         )
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL whatever is left of it."""
+        """SIGTERM the server, then the rest of its process group, then SIGKILL.
+
+        The server goes first so that its models shut down their engines themselves; a
+        group-wide SIGTERM would kill vLLM's EngineCore under a model still using it.
+        """
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        proc.terminate()
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             log.warning("tritonserver did not stop in %.0fs; killing its process group", timeout)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         # Children (vLLM EngineCore, python stubs) may linger after the server itself.
         _kill_group(proc.pid)
         proc.wait()
