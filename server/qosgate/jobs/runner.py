@@ -121,8 +121,11 @@ class JobRunner:
                     next_housekeeping = self._wall_time() + self._housekeeping_interval_s
                 self._fill()
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancel that lands as the wait ends, and then shutdown never returns.
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=self._sleep_s())
+                    async with asyncio.timeout(self._sleep_s()):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
         finally:
