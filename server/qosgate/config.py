@@ -149,6 +149,13 @@ class SchedulerConfig(_Frozen):
     default: every class but the highest. The highest class is never sheddable."""
     shed_retry_after_s: float = Field(default=1.0, gt=0)
     """Retry hint sent with UNAVAILABLE when a request is shed or its queue is full."""
+    window_reserve: float = Field(default=0.25, ge=0, lt=1)
+    """Share of each model's dispatch window held back from lower classes, growing down
+    the class list: the highest class may fill the whole window, the lowest only
+    (1 - window_reserve) of it, those between in equal steps (at least one slot each).
+    A higher-class request then finds a slot free at Triton at once instead of waiting
+    for lower-class work there to finish. A class whose anti-starvation floor is due may
+    still use the whole window. 0: every class may fill the window."""
 
 
 class ModelPolicy(_Frozen):
@@ -398,6 +405,15 @@ class GatewayConfig(_Frozen):
         if klass == self.classes[0]:
             return 0.0
         return self.scheduler.floor_share_by_class.get(klass, self.scheduler.floor_share)
+
+    def class_window(self, klass: str, window: int) -> int:
+        """Requests in flight below which `klass` may dispatch to a model with `window`."""
+        rank = self.classes.index(klass)
+        lower = len(self.classes) - 1
+        if not rank:
+            return window
+        share = 1.0 - self.scheduler.window_reserve * rank / lower
+        return max(1, int(window * share + 1e-9))
 
     def max_queue_length(self, klass: str) -> int:
         return self.scheduler.max_queue_length_by_class.get(klass, self.scheduler.max_queue_length)

@@ -8,6 +8,10 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
   advances a tenant's tag by 1/weight, the tenant with the smallest tag goes next, and a
   tenant that was idle re-enters at the class's current virtual time (no banked credit).
 - A dispatch window per model caps requests in flight upstream; the rest wait here.
+  Lower classes may fill only part of it (nested reservations, `window_reserve`): a class
+  dispatches while fewer than its own limit are in flight, so the slots above a lower
+  class's limit stay free for the classes above it. A class whose floor credit is due
+  may use the whole window, or a flood of higher classes could starve it.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
 - A request whose deadline has passed is dropped instead of dispatched.
@@ -85,6 +89,7 @@ class _TenantQueue:
 class _ClassQueue:
     name: str
     floor: float
+    window: int  # dispatch while fewer than this are in flight (its nested reservation)
     max_length: int
     sheddable: bool
     # Every tenant seen (so metrics see queues drain to 0); `backlogged` only those with
@@ -153,21 +158,27 @@ class _ModelQueues:
     in_flight: int = 0
     queued: int = 0
 
-    def pop_next(self) -> Waiter:
-        """Strict priority, overridden by a lower class whose floor credit has come due."""
+    def pop_next(self) -> Waiter | None:
+        """Strict priority among the classes whose share of the window has room, overridden
+        by a lower class whose floor credit has come due; None if no class may dispatch."""
         top: _ClassQueue | None = None
         due: _ClassQueue | None = None
         for queue in self.classes:
             if not queue.live:
                 queue.credit = 0.0  # no banking of share while idle
                 continue
-            if top is None:
+            if top is None and self.in_flight < queue.window:
                 top = queue
-            queue.credit += queue.floor
-            if queue.credit >= 1.0 - _CREDIT_EPSILON and (due is None or queue.credit > due.credit):
+            credit = queue.credit + queue.floor
+            if credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due.credit + due.floor):
                 due = queue
         chosen = due or top
-        assert chosen is not None
+        if chosen is None:
+            return None
+        # Credit accrues per dispatch made, not per slot offered and left unused.
+        for queue in self.classes:
+            if queue.live:
+                queue.credit += queue.floor
         chosen.credit = max(0.0, chosen.credit - 1.0)
         self.queued -= 1
         return chosen.pop_fairest()
@@ -202,6 +213,7 @@ class SchedulingCore:
                     _ClassQueue(
                         name=klass,
                         floor=config.floor_share(klass),
+                        window=config.class_window(klass, policy.dispatch_window),
                         max_length=config.max_queue_length(klass),
                         sheddable=klass in self._sheddable,
                     )
@@ -225,13 +237,15 @@ class SchedulingCore:
         """
         level = self.level(waiter.klass)
         model = self._queues(waiter.model)
-        if model.in_flight < model.window and not model.queued:
+        klass = model.classes[level]
+        # Nothing of this class or above can be queued while in_flight is below this
+        # class's limit (release() fills every class up to its limit), so room suffices.
+        if model.in_flight < klass.window:
             model.in_flight += 1
             waiter.state = WaiterState.DISPATCHED
             return _NOTHING
         if waiter.deadline is not None and waiter.deadline <= now:
             raise DeadlineExceeded("deadline exceeded before the request could be queued")
-        klass = model.classes[level]
         retry = self._config.scheduler.shed_retry_after_s
         if klass.live >= klass.max_length:
             raise Unavailable(
@@ -270,6 +284,8 @@ class SchedulingCore:
         decided: list[Waiter] = []
         while model.in_flight < model.window and model.queued:
             waiter = model.pop_next()
+            if waiter is None:
+                break
             if waiter.deadline is not None and waiter.deadline <= now:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
