@@ -172,9 +172,11 @@ class Stack:
     start only when asked for.
     """
 
-    def __init__(self, *, models: Sequence[str], model_repository: pathlib.Path | None = None) -> None:
+    def __init__(self, *, models: Sequence[str], model_repository: pathlib.Path | None = None,
+                 triton_args: Sequence[str] = ()) -> None:
         self.models = list(models)
         self.model_repository = model_repository
+        self.triton_args = list(triton_args)
         # Configs and logs of this run; the error messages carry the log tails that matter.
         self._tmp = tempfile.TemporaryDirectory(prefix="qosgate-bench-")
         self.dir = pathlib.Path(self._tmp.name)
@@ -211,7 +213,7 @@ class Stack:
             ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
             self.triton = LocalTriton(
                 models=self.models, ports=ports, model_repository=self.model_repository,
-                log_path=self.dir / "tritonserver.log",
+                log_path=self.dir / "tritonserver.log", extra_args=self.triton_args,
             )
             self._exit.enter_context(self.triton)
         except BaseException:

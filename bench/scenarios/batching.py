@@ -58,7 +58,10 @@ def run(ctx: RunContext) -> ScenarioResult:
         repo = pathlib.Path(tmp)
         for variant in variants:
             repository.write_variant(repo, SOURCE, variant.name, batching(variant))
-        with checked(Stack(models=[v.name for v in variants], model_repository=repo)) as stack:
+        # One load at a time: five copies of minilm loading at once once left one python stub
+        # hung in its model load (seen here, not explained), and Triton never became ready.
+        with checked(Stack(models=[v.name for v in variants], model_repository=repo,
+                           triton_args=["--model-load-thread-count=1"])) as stack:
             for variant in variants:
                 points[variant] = perf.measure(url=stack.triton_url, model=variant.name,
                                                concurrency=concurrency, settings=settings)
