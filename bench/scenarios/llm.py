@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import pathlib
+import statistics
 
 from bench import load, plots, profile
 from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
@@ -93,25 +94,31 @@ def run(ctx: RunContext) -> ScenarioResult:
             targets.append(("qosgate", url, load.Caller("qosgate", api_key=API_KEY)))
         else:
             notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
-        for concurrency in levels:
-            for name, url, caller in targets:
+        # The aim's level runs twice, the second time in reverse order (A B B A), so a drift
+        # of the shared machine during the pair does not favour either target.
+        rounds = [(c, targets) for c in levels] + [(levels[-1], targets[::-1])]
+        for concurrency, ordered in rounds:
+            for name, url, caller in ordered:
                 stack.wait_idle(MODEL)
                 points.append(asyncio.run(measure(url, name, caller, concurrency, seconds)))
         if stack.gateway is not None and profile.py_spy() is not None:
             found = profile_gateway(stack, targets[-1][2], levels[-1], ctx.pick(8.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples during an extra run at "
                          f"concurrency {levels[-1]}; raw stacks in llm-gateway.pyspy.txt.")
-    by = {(p.target, p.concurrency): p for p in points}
     top = levels[-1]
-    direct, via = by[("direct", top)], by.get(("qosgate", top))
-    figures = [Figure(
-        f"tokens/s through qosgate / direct, concurrency {top}",
-        None if via is None else 100 * via.tokens_per_s() / direct.tokens_per_s(), "%", Aim(">=", 97.0),
-        reference=f"direct {direct.tokens_per_s():.1f} tokens/s"
-        + ("" if via is None else f", qosgate {via.tokens_per_s():.1f}"))]
-    if via is not None:
-        figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", percentile(via.ttft_ms(), 50), "ms",
-                              reference=f"direct {percentile(direct.ttft_ms(), 50):.0f} ms"))
+    direct = [p for p in points if p.target == "direct" and p.concurrency == top]
+    via = [p for p in points if p.target == "qosgate" and p.concurrency == top]
+    direct_tps = statistics.fmean(p.tokens_per_s() for p in direct)
+    figures = [Figure(f"tokens/s through qosgate / direct, concurrency {top}", None, "%", Aim(">=", 97.0),
+                      reference=f"direct {direct_tps:.1f} tokens/s")]
+    if via:
+        via_tps = statistics.fmean(p.tokens_per_s() for p in via)
+        figures[0].value = 100 * via_tps / direct_tps
+        figures[0].reference += f", qosgate {via_tps:.1f} (mean of {len(via)} interleaved runs each)"
+        ttft = {name: percentile([t for p in runs for t in p.ttft_ms()], 50)
+                for name, runs in (("direct", direct), ("qosgate", via))}
+        figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", ttft["qosgate"], "ms",
+                              reference=f"direct {ttft['direct']:.0f} ms"))
     tables: dict[str, list[dict[str, object]]] = {"streams": [p.row() for p in points]}
     if found is not None:
         tables.update(found.tables())
@@ -122,7 +129,8 @@ def run(ctx: RunContext) -> ScenarioResult:
 def draw(points: list[Point], path: pathlib.Path) -> None:
     fig, (tps, ttft, itl) = plots.panels(3)
     for target in ("direct", "qosgate"):
-        mine = [p for p in points if p.target == target]
+        firsts = {p.concurrency: p for p in reversed(points) if p.target == target}
+        mine = [firsts[c] for c in sorted(firsts)]
         if not mine:
             continue
         xs = [p.concurrency for p in mine]
