@@ -260,6 +260,15 @@ class TritonEngineMetricFamilies:
                 self._finished[reason] = metric
             return metric
 
+    def close(self) -> None:
+        """Destroy the metric objects now, while the stub's shared memory still exists:
+        left to interpreter exit, their destructors write to freed memory (segfault)."""
+        with self._lock:
+            self._finished.clear()
+        self.running = self.waiting = self.generation_tokens = None
+        self._running_family = self._waiting_family = None
+        self._tokens_family = self._finished_family = None
+
     def logger_factory(self) -> Callable[..., EngineMetrics]:
         """What vLLM's stat_loggers expects: a callable (vllm_config, engine_index)."""
 
@@ -447,3 +456,4 @@ class TritonPythonModel:
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._metrics.close()
