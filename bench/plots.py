@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -14,6 +15,17 @@ def panels(count: int, width: float = 5.0, height: float = 3.8) -> tuple[Any, li
 
     fig, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False)
     return fig, list(axes[0])
+
+
+def label(axes: Sequence[tuple[Any, str, str]], *, prefix: str, xlabel: str, log2_x: bool = False) -> None:
+    """Title `prefix: title`, axis labels and legend for each (axis, title, y unit)."""
+    for ax, title, unit in axes:
+        if log2_x:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{prefix}: {title}")
+        ax.legend(fontsize=7)
 
 
 def save(fig: Any, path: pathlib.Path) -> None:

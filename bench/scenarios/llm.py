@@ -140,11 +140,6 @@ def draw(points: list[Point], path: pathlib.Path) -> None:
             for ax, get in ((ttft, Point.ttft_ms), (itl, Point.itl_ms)):
                 ax.plot(xs, [percentile(get(p), q) for p in mine], style, marker="o", color=color,
                         label=f"{target} p{q}")
-    for ax, title, unit in ((tps, "output tokens/s", "tokens/s"), (ttft, "time to first token", "ms"),
-                            (itl, "inter-token latency", "ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylabel(unit)
-        ax.set_title(f"smollm2: {title}")
-        ax.legend(fontsize=7)
+    plots.label([(tps, "output tokens/s", "tokens/s"), (ttft, "time to first token", "ms"),
+                 (itl, "inter-token latency", "ms")], prefix="smollm2", xlabel="concurrent streams", log2_x=True)
     plots.save(fig, path)

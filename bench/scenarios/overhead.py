@@ -174,11 +174,6 @@ def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
         if target != "direct":
             cpu.plot(xs, [s.cpu_us_per_request for _, s in mine], marker="o", color=color, label=target)
     cpu.axhline(100, color="grey", linestyle=":", label="aim (qosgate)")
-    for ax, title, unit in ((thr, "throughput", "infer/s"), (lat, "latency", "ms"),
-                            (cpu, "hop CPU per request", "us")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(unit)
-        ax.set_title(f"identity: {title}")
-        ax.legend(fontsize=7)
+    plots.label([(thr, "throughput", "infer/s"), (lat, "latency", "ms"), (cpu, "hop CPU per request", "us")],
+                prefix="identity", xlabel="concurrency", log2_x=True)
     plots.save(fig, path)
