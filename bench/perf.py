@@ -34,9 +34,9 @@ class PerfSettings:
 
     def args(self) -> list[str]:
         # A fixed request count instead of perf_analyzer's stability windows: on a shared
-        # 2-core machine (and with Triton's occasional 500 ms batcher stalls) windows often
-        # never agree, and the run would fail instead of reporting the spread. Its own
-        # summary of such a run rounds the duration to whole seconds, hence the export.
+        # 2-core machine windows often never agree, and the run would fail instead of
+        # reporting the spread. Its own summary of such a run rounds the duration to
+        # whole seconds, hence the export.
         return ["--request-count", str(self.requests)]
 
 

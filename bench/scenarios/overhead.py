@@ -4,10 +4,9 @@ concurrencies, straight at Triton, through nginx grpc_pass, and through qosgate.
 The hops' CPU per request comes from /proc (utime+stime of the hop's process group over
 the measurement) divided by the requests Triton counted in the same interval.
 
-The model runs from a temporary copy of model_repository/identity without priority
-levels: Triton 2.51's dynamic batcher with priority levels stalls requests for ~500 ms
-now and then (measured: 5-10x less throughput at concurrency 1-8), noise that would
-swamp the hop being measured. Triton ignores the priority the gateway sets on it then.
+The model is model_repository/identity as shipped: priority levels and queue bounds, with
+two instances, which is what keeps Triton 2.51's batcher from stalling ~500 ms on a
+missed wake-up (see the README's embedding section).
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable
 
 import tritonclient.grpc as grpcclient
 
-from bench import perf, plots, profile, repository
+from bench import perf, plots, profile
 from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import GroupProcess, Stack, checked, gateway_available
@@ -42,11 +40,6 @@ class Sample:
     target: str
     point: perf.PerfPoint
     cpu_us_per_request: float | None
-
-
-def without_priorities(config: repository.ModelConfig) -> None:
-    for field in ("priority_levels", "default_priority_level", "default_queue_policy", "priority_queue_policy"):
-        config.dynamic_batching.ClearField(field)
 
 
 def successes(triton_url: str) -> int:
@@ -93,31 +86,28 @@ def profile_gateway(stack: Stack, url: str, concurrency: int, rate: float, secon
 def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 4, 16], [1, 2, 4, 8, 16, 32])
     settings = perf.PerfSettings(requests=ctx.pick(5000, 20000))
-    notes = [f"identity model (FP32[16]) without Triton priority levels (see module doc), perf_analyzer 2.51.0 closed loop, "
+    notes = [f"identity model (FP32[16]) as shipped, perf_analyzer 2.51.0 closed loop, "
              f"{settings.requests} requests per point; nginx 1 worker with grpc_pass and upstream keepalive."]
     samples: list[tuple[int, Sample]] = []
     found: profile.Profile | None = None
-    with tempfile.TemporaryDirectory(prefix="identity-") as tmp:
-        repo = pathlib.Path(tmp)
-        repository.write_variant(repo, MODEL, MODEL, without_priorities)
-        with checked(Stack(models=[MODEL], model_repository=repo)) as stack:
-            targets: list[tuple[str, str, GroupProcess | None]] = [
-                ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
-            if gateway_available():
-                url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
-                targets.append(("qosgate", url, stack.gateway))
-            else:
-                notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
-            for concurrency in levels:
-                # Targets interleave at each level so machine drift hits them alike.
-                for name, url, hop in targets:
-                    samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
-            if stack.gateway is not None and profile.py_spy() is not None:
-                top = samples[-1][1]
-                found = profile_gateway(stack, stack.gateway_url, levels[-1], top.point.throughput,
-                                        ctx.pick(5.0, 15.0))
-                notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {levels[-1]} "
-                             "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
+    with checked(Stack(models=[MODEL])) as stack:
+        targets: list[tuple[str, str, GroupProcess | None]] = [
+            ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
+        if gateway_available():
+            url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
+            targets.append(("qosgate", url, stack.gateway))
+        else:
+            notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
+        for concurrency in levels:
+            # Targets interleave at each level so machine drift hits them alike.
+            for name, url, hop in targets:
+                samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
+        if stack.gateway is not None and profile.py_spy() is not None:
+            top = samples[-1][1]
+            found = profile_gateway(stack, stack.gateway_url, levels[-1], top.point.throughput,
+                                    ctx.pick(5.0, 15.0))
+            notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {levels[-1]} "
+                         "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
     figures, tables = summarise(samples, levels)
     if found is not None:
         tables.update(found.tables())
