@@ -1,18 +1,30 @@
-"""An in-process gateway on port 0, on its own event loop thread, for integration tests.
+"""Gateways for integration tests.
 
-Its own loop lets tests call it with blocking clients (tritonclient's sync API,
-perf_analyzer) as well as from asyncio tests, without either side starving the other.
+`GatewayThread`: an in-process gateway on port 0, on its own event loop thread. Its own
+loop lets tests call it with blocking clients (tritonclient's sync API, perf_analyzer) as
+well as from asyncio tests, without either side starving the other.
+
+`GatewayProcess`: `qosgate serve` as a real process, for tests that signal it (kill -9,
+SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from qosgate.app import Gateway
 from qosgate.config import GatewayConfig, parse_config
 
@@ -107,3 +119,65 @@ class GatewayThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class GatewayProcess:
+    """`qosgate serve --config FILE` in its own process, listening where the file says.
+
+    Restartable: `start` again after `kill`/`stop` runs the same file (so the same state
+    files) anew. The process's output goes to `log_path`, appended across restarts.
+    """
+
+    def __init__(self, config_path: pathlib.Path, log_path: pathlib.Path) -> None:
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return yaml.safe_load(self.config_path.read_text())["listen"]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
+        """Start it and wait until its health service says SERVING."""
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "qosgate", "serve", "--config", str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"gateway exited: {self.log_text()[-3000:]}")
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"gateway not serving: {self.log_text()[-3000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` and wait for the process to end."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+    def stop(self) -> None:
+        """End it politely if it still runs (SIGTERM, then SIGKILL after 15 s)."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None

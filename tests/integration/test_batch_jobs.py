@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -17,11 +16,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 from conftest import free_port, require_model
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from gateway_harness import GatewayProcess
 from qosgate.launcher import LocalTriton
 from qosgate.v1 import batch_pb2, generation_pb2
 from qosgate_client import Client, ClientError
@@ -33,54 +31,6 @@ GLOBEX_KEY = "batch-test-globex-key"
 ALLOWED_HOOKS = "http://127.0.0.1:9/hooks/"
 BIN = Path(sys.executable).parent
 GENEROUS_FACTOR = 10.0
-
-
-class GatewayProcess:
-    """`qosgate serve` in its own process, on a fixed config (and so a fixed state dir)."""
-
-    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
-        self.config_path = config_path
-        self.target = f"127.0.0.1:{port}"
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "qosgate"), "serve", "--config", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"gateway exited: {self.log_path.read_text()[-3000:]}")
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"gateway not serving: {self.log_path.read_text()[-3000:]}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
 
 
 @pytest.fixture
@@ -112,7 +62,7 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
     }
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
-    process = GatewayProcess(path, port, tmp_path / "gateway.log").start()
+    process = GatewayProcess(path, tmp_path / "gateway.log").start()
     try:
         yield process
     finally:
@@ -198,7 +148,7 @@ def test_kill_9_midway_then_restart_gives_exactly_one_result_per_item(
     with Client(gateway.target, ACME_KEY) as client:
         batch = submit(client, generation_items(total, max_tokens=4))
         wait_done(client, batch.id, at_least=total // 2)
-    gateway.kill9()
+    gateway.kill()
     gateway.start()
     with Client(gateway.target, ACME_KEY) as client:
         batch = wait_done(client, batch.id)

@@ -6,20 +6,15 @@ in the middle of its life; the usage ledger (SQLite) is all that carries over.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import free_port, require_model
+from gateway_harness import GatewayProcess
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.domain import ChatMessage, Role
 from qosgate.launcher import LocalTriton
@@ -53,51 +48,20 @@ def config_file(triton: LocalTriton, tmp_path: Path) -> Path:
     return path
 
 
-class GatewayProcess:
-    """`qosgate serve` on a fresh port; `kill(sig)` ends it the hard or the polite way."""
-
-    def __init__(self, config_file: Path) -> None:
-        raw = yaml.safe_load(config_file.read_text())
-        self.url = f"127.0.0.1:{free_port()}"
-        raw["listen"] = self.url
-        config_file.write_text(yaml.safe_dump(raw))
-        self.log = config_file.with_suffix(f".{self.url.rsplit(':', 1)[1]}.log")
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "qosgate", "serve", "--config", str(config_file)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.channel = grpc.insecure_channel(self.url)
-        self._wait_serving()
-
-    def _wait_serving(self, timeout: float = 60.0) -> None:
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("gateway did not become SERVING")
-
-    def kill(self, sig: int) -> None:
-        self.channel.close()
-        os.kill(self.proc.pid, sig)
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture
 def gateways(config_file: Path) -> Iterator[list[GatewayProcess]]:
     started: list[GatewayProcess] = []
     yield started
     for gateway in started:
-        if gateway.proc.poll() is None:
-            gateway.kill(signal.SIGKILL)
+        gateway.stop()
+
+
+def start_gateway(config_file: Path) -> GatewayProcess:
+    """A gateway on a fresh port, with the same state files as the ones before it."""
+    raw = yaml.safe_load(config_file.read_text())
+    raw["listen"] = f"127.0.0.1:{free_port()}"
+    config_file.write_text(yaml.safe_dump(raw))
+    return GatewayProcess(config_file, config_file.with_suffix(".log")).start()
 
 
 def _chat(max_tokens: int) -> generation_pb2.GenerateRequest:
@@ -108,21 +72,22 @@ def _chat(max_tokens: int) -> generation_pb2.GenerateRequest:
     )
 
 
-def _usage(gateway: GatewayProcess) -> admin_pb2.GetUsageResponse:
-    return admin_pb2_grpc.AdminServiceStub(gateway.channel).GetUsage(
+def _usage(channel: grpc.Channel) -> admin_pb2.GetUsageResponse:
+    return admin_pb2_grpc.AdminServiceStub(channel).GetUsage(
         admin_pb2.GetUsageRequest(), metadata=METADATA, timeout=10
     )
 
 
 def test_budget_usage_survives_restart_and_kill_9(config_file: Path, gateways: list[GatewayProcess]) -> None:
     prompt_estimate = estimate_prompt_tokens(ChatTemplate("chatml").render([ChatMessage(Role.USER, QUESTION)]))
-    first = GatewayProcess(config_file)
+    first = start_gateway(config_file)
     gateways.append(first)
-    reply = generation_pb2_grpc.GenerationServiceStub(first.channel).Generate(
-        _chat(max_tokens=24), metadata=METADATA, timeout=120
-    )
-    spent = reply.usage.prompt_tokens + reply.usage.completion_tokens
-    usage = _usage(first)
+    with grpc.insecure_channel(first.target) as channel:
+        reply = generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+            _chat(max_tokens=24), metadata=METADATA, timeout=120
+        )
+        spent = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        usage = _usage(channel)
     assert usage.today.prompt_tokens + usage.today.completion_tokens == spent
     assert usage.remaining_daily_tokens == BUDGET - spent
     # A request that a fresh budget would admit but what is left cannot: it tells whether
@@ -132,14 +97,15 @@ def test_budget_usage_survives_restart_and_kill_9(config_file: Path, gateways: l
 
     for how in (signal.SIGKILL, signal.SIGTERM):
         gateways[-1].kill(how)
-        restarted = GatewayProcess(config_file)
+        restarted = start_gateway(config_file)
         gateways.append(restarted)
-        after = _usage(restarted)
-        assert after.today == usage.today, f"usage lost across {signal.Signals(how).name}"
-        assert after.remaining_daily_tokens == BUDGET - spent
-        with pytest.raises(grpc.RpcError) as refused:
-            generation_pb2_grpc.GenerationServiceStub(restarted.channel).Generate(
-                _chat(max_tokens), metadata=METADATA, timeout=60
-            )
+        with grpc.insecure_channel(restarted.target) as channel:
+            after = _usage(channel)
+            assert after.today == usage.today, f"usage lost across {signal.Signals(how).name}"
+            assert after.remaining_daily_tokens == BUDGET - spent
+            with pytest.raises(grpc.RpcError) as refused:
+                generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+                    _chat(max_tokens), metadata=METADATA, timeout=60
+                )
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "daily_token_budget" in refused.value.details()
