@@ -12,7 +12,7 @@ MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
 
-.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench bench-quick lint clean
+.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench bench-quick clean
 
 setup: venv protos models tools
 
