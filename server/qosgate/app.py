@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
-from qosgate.config import GatewayConfig, UpstreamConfig
+from qosgate.config import ConfigError, GatewayConfig, UpstreamConfig, load_config
 from qosgate.embedding import EmbeddingPlane
 from qosgate.generation import GenerationPlane
 from qosgate.jobs.callbacks import HttpCallbackSender
@@ -109,11 +110,10 @@ class Gateway:
             clock=self.clock,
         )
         self.jobs = JobStore(config.batch.db or paths.cache_dir() / "batch.sqlite3", wall_time=time.time)
-        tenants = {tenant.name: tenant for tenant in self.directory.tenants}
         self.batch_runner = JobRunner(
             self.jobs,
             PlaneItemExecutor(self.generation, self.embedding),
-            tenants.get,
+            self.directory.named,
             wall_time=time.time,
             callbacks=HttpCallbackSender(),
             klass=config.batch_class(),
@@ -197,6 +197,18 @@ class Gateway:
             self.config.summary(),
         )
 
+    def reload(self, new: GatewayConfig) -> list[str]:
+        """Apply `new`'s tenants now: keys, weights, classes, models, limits, budgets.
+
+        Returns the other top-level keys that differ in `new`: those take a restart and are
+        not applied. Raises ConfigError, changing nothing, if the tenants do not fit.
+        """
+        merged = self.config.with_tenants_of(new)
+        self.directory.replace(merged)
+        pending = self.config.keys_needing_restart(new)
+        self.config = merged
+        return pending
+
     async def _publish_health(self, ready: bool) -> None:
         state = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", KSERVE_SERVICE):
@@ -223,25 +235,45 @@ class Gateway:
             self._metrics_endpoint = None
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run a gateway until SIGINT or SIGTERM."""
+async def serve(config: GatewayConfig, *, path: str | os.PathLike[str] | None = None) -> None:
+    """Run a gateway until SIGINT or SIGTERM; SIGHUP reloads the tenants from `path`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     gateway = Gateway(config)
+    handlers = {signal.SIGINT: stop.set, signal.SIGTERM: stop.set}
+    if path is not None:
+        handlers[signal.SIGHUP] = lambda: _reload(gateway, path)
+    for sig, handler in handlers.items():
+        loop.add_signal_handler(sig, handler)
     await gateway.start()
     try:
         await stop.wait()
         log.info("stopping qosgate")
     finally:
         await gateway.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in handlers:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
 
 
-def up(config: GatewayConfig, *, models: tuple[str, ...] = LOCAL_MODELS) -> None:
+def _reload(gateway: Gateway, path: str | os.PathLike[str]) -> None:
+    """SIGHUP: re-read the config file; a bad file is logged and the running config kept."""
+    try:
+        pending = gateway.reload(load_config(path))
+    except ConfigError as e:
+        log.error("config reload failed, still running the previous config:\n%s", e)
+        return
+    log.info("config reloaded from %s: %s", os.fspath(path), gateway.config.summary())
+    if pending:
+        log.warning("changed keys not applied until a restart: %s", ", ".join(pending))
+
+
+def up(
+    config: GatewayConfig,
+    *,
+    models: tuple[str, ...] = LOCAL_MODELS,
+    path: str | os.PathLike[str] | None = None,
+) -> None:
     """Run a local tritonserver and the gateway in front of it until SIGINT/SIGTERM.
 
     The gateway's upstreams are replaced by the local server. Triton is stopped on every
@@ -258,6 +290,6 @@ def up(config: GatewayConfig, *, models: tuple[str, ...] = LOCAL_MODELS) -> None
         ports = TritonPorts()
         with LocalTriton(models=models, ports=ports):
             local = config.model_copy(update={"upstreams": [UpstreamConfig(name="local", url=ports.grpc_url)]})
-            asyncio.run(serve(local))
+            asyncio.run(serve(local, path=path))
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -41,16 +41,27 @@ class Tenant:
 
 
 class TenantDirectory:
-    """The tenants of one config snapshot, looked up by the key a request carries."""
+    """The tenants of the current config, looked up by the key a request carries."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self._classes = tuple(config.classes)
         self._levels = {klass: i for i, klass in enumerate(config.classes)}
-        self._by_digest: dict[bytes, Tenant] = {}
-        self._tenants = tuple(self._tenant(config, t) for t in config.tenants)
-        for tenant_config, tenant in zip(config.tenants, self._tenants, strict=True):
-            for key in tenant_config.api_keys:
-                self._by_digest[key.digest()] = tenant
+        self.replace(config)
+
+    def replace(self, config: GatewayConfig) -> None:
+        """Take `config`'s tenants (a reload; its classes must be the ones already in use).
+
+        Requests already admitted keep the Tenant they were identified as; the next lookup
+        sees the new keys, weights, classes, models and limits.
+        """
+        tenants = tuple(self._tenant(config, t) for t in config.tenants)
+        by_digest = {
+            key.digest(): tenant
+            for tenant_config, tenant in zip(config.tenants, tenants, strict=True)
+            for key in tenant_config.api_keys
+        }
+        self._tenants, self._by_digest = tenants, by_digest
+        self._by_name = {tenant.name: tenant for tenant in tenants}
 
     @staticmethod
     def _tenant(config: GatewayConfig, t: TenantConfig) -> Tenant:
@@ -68,6 +79,9 @@ class TenantDirectory:
     @property
     def tenants(self) -> tuple[Tenant, ...]:
         return self._tenants
+
+    def named(self, name: str) -> Tenant | None:
+        return self._by_name.get(name)
 
     def identify(self, metadata: Mapping[str, str]) -> Tenant:
         """The tenant whose key is in `authorization: Bearer KEY` or `x-api-key: KEY`.

@@ -20,7 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
     from qosgate import app
     from qosgate.config import load_config
 
-    asyncio.run(app.serve(load_config(args.config)))
+    asyncio.run(app.serve(load_config(args.config), path=args.config))
     return 0
 
 
@@ -28,8 +28,9 @@ def _up(args: argparse.Namespace) -> int:
     from qosgate import app, paths
     from qosgate.config import load_config
 
-    config = load_config(args.config or paths.project_root() / "config" / "demo.yaml")
-    app.up(config, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
+    path = args.config or paths.project_root() / "config" / "demo.yaml"
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    app.up(load_config(path), models=models, path=path)
     return 0
 
 
@@ -57,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     prep.set_defaults(func=_prepare_models)
 
-    serve = sub.add_parser("serve", help="run the gateway in front of the config's upstreams")
+    serve = sub.add_parser(
+        "serve", help="run the gateway in front of the config's upstreams (SIGHUP reloads tenants)"
+    )
     serve.add_argument("--config", required=True, help="gateway YAML config")
     serve.set_defaults(func=_serve)
 
-    up = sub.add_parser("up", help="run a local tritonserver and the gateway together (Ctrl-C stops both)")
+    up = sub.add_parser("up", help="run a local tritonserver and the gateway together (Ctrl-C stops both; SIGHUP reloads tenants)")
     up.add_argument("--config", help="gateway YAML config (default: config/demo.yaml)")
     up.add_argument(
         "--models",

@@ -428,6 +428,26 @@ class GatewayConfig(_Frozen):
     def model_policy(self, model: str) -> ModelPolicy:
         return self.models.get(model, self.default_model_policy)
 
+    def with_tenants_of(self, other: GatewayConfig) -> GatewayConfig:
+        """This config with `other`'s tenants, checked as a whole (a reload applies this).
+
+        Raises ConfigError when the new tenants do not fit this config (a class it does not
+        have, a batch override for a tenant that is gone).
+        """
+        merged = self.model_copy(update={"tenants": other.tenants})
+        problems = [f"{p.path}: {p.reason}" for p in merged._problems()]
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return merged
+
+    def keys_needing_restart(self, other: GatewayConfig) -> list[str]:
+        """Top-level keys other than `tenants` whose value differs in `other`."""
+        return [
+            key
+            for key in type(self).model_fields
+            if key != "tenants" and getattr(self, key) != getattr(other, key)
+        ]
+
     def summary(self) -> str:
         admins = sum(t.admin for t in self.tenants)
         return (

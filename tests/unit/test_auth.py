@@ -124,3 +124,29 @@ def test_require_admin(directory: TenantDirectory) -> None:
     directory.require_admin(ops, "model load")
     with pytest.raises(PermissionDenied, match="model load requires an admin tenant"):
         directory.require_admin(acme, "model load")
+
+
+def test_replace_swaps_keys_and_tenant_settings(directory: TenantDirectory) -> None:
+    before = directory.identify({"x-api-key": "acme-1"})
+    directory.replace(
+        parse_config(
+            {
+                "tenants": [
+                    {"name": "acme", "api_keys": [{"key": "acme-3"}], "weight": 5, "models": ["minilm"]},
+                    {"name": "initech", "api_keys": [{"key": "acme-1"}]},
+                ]
+            }
+        )
+    )
+    # The old key now names another tenant; the rotated-out key is refused.
+    assert directory.identify({"x-api-key": "acme-1"}).name == "initech"
+    with pytest.raises(Unauthenticated):
+        directory.identify({"x-api-key": "acme-2"})
+    with pytest.raises(Unauthenticated):
+        directory.identify({"x-api-key": "globex-1"})
+    acme = directory.identify({"x-api-key": "acme-3"})
+    assert (acme.weight, acme.allows_model("smollm2")) == (5, False)
+    assert directory.named("acme") is acme and directory.named("globex") is None
+    assert [t.name for t in directory.tenants] == ["acme", "initech"]
+    # A request identified before keeps what it was admitted as.
+    assert (before.weight, before.allows_model("smollm2")) == (2, True)

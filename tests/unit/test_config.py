@@ -193,3 +193,41 @@ def test_readme_documents_every_config_key() -> None:
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
     assert keys - documented == set()
+
+
+def test_reload_takes_the_new_tenants_and_names_keys_needing_restart() -> None:
+    running = parse_config({"tenants": [{"name": "acme", "api_keys": [{"key": "k1"}]}]})
+    edited = parse_config(
+        {
+            "listen": "127.0.0.1:6000",
+            "scheduler": {"max_queue_length": 7},
+            "tenants": [{"name": "globex", "api_keys": [{"key": "k2"}], "max_class": "critical"}],
+        }
+    )
+    merged = running.with_tenants_of(edited)
+    assert [t.name for t in merged.tenants] == ["globex"]
+    assert merged.listen == running.listen and merged.scheduler == running.scheduler
+    assert running.keys_needing_restart(edited) == ["listen", "scheduler"]
+    assert running.keys_needing_restart(running.with_tenants_of(edited)) == []
+
+
+def test_reload_refuses_tenants_that_do_not_fit_the_running_config() -> None:
+    running = parse_config(
+        {
+            "tenants": [{"name": "acme", "api_keys": [{"key": "k1"}]}],
+            "batch": {"tenants": {"acme": {"max_queued_items": 5}}},
+        }
+    )
+    # Valid on its own (its own classes, no batch override), but not with what runs now.
+    edited = parse_config(
+        {
+            "classes": ["gold", "bronze"],
+            "tenants": [{"name": "globex", "api_keys": [{"key": "k2"}], "default_class": "gold"}],
+        }
+    )
+    with pytest.raises(ConfigError) as refused:
+        running.with_tenants_of(edited)
+    assert str(refused.value).splitlines() == [
+        f"tenants[0].default_class: unknown class 'gold' {CLASSES}",
+        "batch.tenants.acme: unknown tenant 'acme'",
+    ]
