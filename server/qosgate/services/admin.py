@@ -10,6 +10,7 @@ import grpc
 from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.services import status
+from qosgate.services.headers import text_headers
 from qosgate.usage import UsageLedger, UsageSummary
 from qosgate.v1 import admin_pb2, admin_pb2_grpc
 
@@ -42,7 +43,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetUsageResponse:
         try:
-            caller = self._directory.identify(dict(context.invocation_metadata() or ()))
+            caller = self._directory.identify(text_headers(context))
             report = self._ledger.report(self._target(caller, request.tenant))
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             await status.abort(context, e)

@@ -22,6 +22,7 @@ from qosgate.jobs.model import ItemKind, ItemResult, Job, JobLimits, JobStatus, 
 from qosgate.jobs.runner import JobRunner
 from qosgate.jobs.store import JobStore
 from qosgate.services import status
+from qosgate.services.headers import text_headers
 from qosgate.v1 import batch_pb2, batch_pb2_grpc, embedding_pb2, generation_pb2
 
 DEFAULT_PAGE_SIZE = 20
@@ -175,8 +176,7 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         self._callbacks = CallbackPolicy(config.callback_allowlist)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        return self._directory.identify(metadata)
+        return self._directory.identify(text_headers(context))
 
     async def CreateBatch(
         self,

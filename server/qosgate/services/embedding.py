@@ -11,6 +11,7 @@ from qosgate.auth import TenantDirectory
 from qosgate.embedding import EmbeddingPlane, Embeddings
 from qosgate.services import status
 from qosgate.services.generation import duration, upstream_error
+from qosgate.services.headers import text_headers
 from qosgate.upstream import UpstreamPool
 from qosgate.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
 
@@ -41,7 +42,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> embedding_pb2.EmbedResponse:
         try:
-            tenant = self._directory.identify(dict(context.invocation_metadata() or ()))
+            tenant = self._directory.identify(text_headers(context))
             remaining = context.time_remaining()
             result = await self._plane.embed(
                 tenant,

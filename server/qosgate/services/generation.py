@@ -19,6 +19,7 @@ from qosgate.adapters.domain import ChatMessage, FinishReason, Role
 from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationPlane
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
+from qosgate.services.headers import text_headers
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -118,10 +119,6 @@ def upstream_error(pool: UpstreamPool, upstream: Upstream, error: grpc.aio.AioRp
     return kind(f"Triton: {error.details()}")
 
 
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    return {key: value for key, value in context.invocation_metadata() or ()}
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Generate and GenerateStream on top of a GenerationPlane."""
 
@@ -156,7 +153,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             call = to_call(request, stream=False)
             async with contextlib.aclosing(
-                self._plane.generate(_metadata(context), call, deadline=self._deadline(context), labels=labels)
+                self._plane.generate(text_headers(context), call, deadline=self._deadline(context), labels=labels)
             ) as items:
                 response = await collect_response(items)
         except asyncio.CancelledError as e:
@@ -176,7 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             call = to_call(request, stream=True)
             async with contextlib.aclosing(
-                self._plane.generate(_metadata(context), call, deadline=self._deadline(context), labels=labels)
+                self._plane.generate(text_headers(context), call, deadline=self._deadline(context), labels=labels)
             ) as items:
                 async for item in items:
                     if isinstance(item, Finished):

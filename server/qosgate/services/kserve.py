@@ -35,6 +35,7 @@ from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused
 from qosgate.scheduler import Scheduler
 from qosgate.services import infer_wire, status
+from qosgate.services.headers import text_headers
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import METHODS, SERVICE
 
@@ -66,10 +67,6 @@ MODEL_SCOPED = {
     "ModelMetadata": service_pb2.ModelMetadataRequest,
     "ModelConfig": service_pb2.ModelConfigRequest,
 }
-
-
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    return {key: value for key, value in context.invocation_metadata() or ()}
 
 
 @dataclass(slots=True)
@@ -140,7 +137,7 @@ class KServeService:
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                tenant = self._directory.identify(_metadata(context))
+                tenant = self._directory.identify(text_headers(context))
                 check(tenant, request)
                 reply = await self._forward(method, request, context)
                 return reply if reply_filter is None else reply_filter(tenant, reply)
@@ -233,7 +230,7 @@ class KServeService:
     async def _infer_once(
         self, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
     ) -> bytes:
-        metadata = _metadata(context)
+        metadata = text_headers(context)
         tenant = self._directory.identify(metadata)
         outcome.tenant = tenant.name
         model = _peek(request).model_name
@@ -343,7 +340,7 @@ class _StreamSession:
         self._svc = service
         self._requests = requests
         self._context = context
-        self._metadata = _metadata(context)
+        self._metadata = text_headers(context)
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._in_flight: dict[str, _InFlight] = {}
         self._tasks: set[asyncio.Task[None]] = set()

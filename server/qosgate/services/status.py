@@ -56,7 +56,7 @@ _incidents = itertools.count(1)
 def row_of(error: BaseException) -> StatusRow:
     """The table row for `error`; anything that is not a domain error is INTERNAL."""
     for klass in type(error).__mro__:
-        row = TABLE.get(klass)  # type: ignore[arg-type]
+        row = TABLE.get(klass)
         if row is not None:
             return row
     return _INTERNAL_ROW
