@@ -12,7 +12,7 @@ MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
 
-.PHONY: setup venv protos models tools node-deps lint-protos run test test-unit bench bench-quick clean
+.PHONY: setup venv protos models tools node-deps lint-protos typecheck run test test-unit bench bench-quick clean
 
 setup: venv protos models tools
 
@@ -56,10 +56,14 @@ $(NODE_DEPS): clients/node/package.json clients/node/package-lock.json
 lint-protos: $(NODE_DEPS)
 	cd clients/node && npx --no-install buf lint ../../protos
 
+# Static types of the gateway package (settings: [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP) $(GEN)
+	$(VENV)/bin/mypy
+
 run: setup
 	$(VENV)/bin/qosgate up
 
-test: setup node-deps lint-protos
+test: setup node-deps lint-protos typecheck
 	$(PY) -m pytest -q
 
 test-unit: venv protos

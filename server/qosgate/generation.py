@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -135,7 +135,7 @@ class GenerationPlane:
         *,
         deadline: float | None = None,
         labels: CallLabels | None = None,
-    ) -> AsyncIterator[str | Finished]:
+    ) -> AsyncGenerator[str | Finished, None]:
         """Text deltas, then one Finished, for the caller the metadata's key names.
         `deadline` is on the plane's clock.
 
@@ -154,7 +154,7 @@ class GenerationPlane:
         *,
         deadline: float | None = None,
         labels: CallLabels | None = None,
-    ) -> AsyncIterator[str | Finished]:
+    ) -> AsyncGenerator[str | Finished, None]:
         """`generate` for a tenant already identified (the batch runner acts for a job's
         tenant, which has no key at hand)."""
         arrived = self._clock.now()

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2
@@ -34,7 +35,7 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
 )
 
-HealthListener = Callable[[bool], Awaitable[None]]
+HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
 
 
 class Upstream:
@@ -95,6 +96,7 @@ class UpstreamPool:
         self._check_timeout_s = check_timeout_s
         self._turn = itertools.count()
         self._listeners: list[HealthListener] = []
+        self._notifications: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._ready = False
 
@@ -172,8 +174,11 @@ class UpstreamPool:
             return
         self._ready = ready
         for listener in self._listeners:
-            # Listeners are async (grpc's health servicer); run them beside the caller.
-            asyncio.get_running_loop().create_task(listener(ready))
+            # Listeners are async (grpc's health servicer); run them beside the caller,
+            # holding each task until it is done (the loop keeps only weak references).
+            task = asyncio.get_running_loop().create_task(listener(ready))
+            self._notifications.add(task)
+            task.add_done_callback(self._notifications.discard)
 
     async def _poll(self) -> None:
         while True:
