@@ -11,6 +11,7 @@ SIGTERM, SIGHUP).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import signal
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -132,6 +133,18 @@ class GatewayProcess:
         self.config_path = config_path
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, config: dict[str, Any], directory: pathlib.Path) -> Iterator[GatewayProcess]:
+        """Write `config` to DIRECTORY/gateway.yaml, start it there, stop it on the way out."""
+        path = directory / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        process = cls(path, directory / "gateway.log").start()
+        try:
+            yield process
+        finally:
+            process.stop()
 
     @property
     def target(self) -> str:

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import free_port, require_model
 from gateway_harness import GatewayProcess
 from qosgate.launcher import LocalTriton
@@ -60,13 +59,8 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
             "tenants": {"globex": {"max_queued_items": 5}},
         },
     }
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = GatewayProcess(path, tmp_path / "gateway.log").start()
-    try:
+    with GatewayProcess.running(config, tmp_path) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def generation_items(count: int, max_tokens: int = 2) -> list[batch_pb2.BatchItem]:

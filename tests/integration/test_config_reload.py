@@ -37,13 +37,8 @@ def config(triton: LocalTriton, tmp_path: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def gateway(config: dict[str, Any], tmp_path: Path) -> Iterator[GatewayProcess]:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = GatewayProcess(path, tmp_path / "gateway.log").start()
-    try:
+    with GatewayProcess.running(config, tmp_path) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def code_of(call: Callable[..., Any], request: Any, key: str) -> grpc.StatusCode:
