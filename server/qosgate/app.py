@@ -42,7 +42,7 @@ from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
-from qosgate.usage import UsageLedger
+from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -92,13 +92,15 @@ class Gateway:
         quota_store: QuotaStore = self._shared_quota or InMemoryQuotaStore()
         self.admission = Admission(quota_store, self.clock)
         self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
+        # With Redis, budgets and GetUsage count the day's usage of every gateway.
+        self.usage = UsageMeter(self.ledger, wall_time=time.time, shared=self._shared_quota)
         self.generation = GenerationPlane(
             config=config,
             directory=self.directory,
             admission=self.admission,
-            budget=DailyTokenBudget(wall_time=time.time, totals=self.ledger),
+            budget=DailyTokenBudget(wall_time=time.time, totals=self.usage),
             scheduler=self.scheduler,
-            ledger=self.ledger,
+            usage=self.usage,
             engine=PoolEngineStreams(self.pool),
             clock=self.clock,
         )
@@ -150,7 +152,7 @@ class Gateway:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self.generation, clock_now=self.clock.now, metrics=self.metrics), server
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.directory, self.ledger), server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.directory, self.usage), server)
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(
             EmbeddingServicer(self.embedding, self.directory, clock_now=self.clock.now), server
         )

@@ -98,7 +98,8 @@ class LimitsConfig(_Frozen):
     tokens_per_minute: int | None = Field(default=None, ge=1)
     """LLM tokens (prompt + generated) per minute, as a bucket of that capacity."""
     daily_token_budget: int | None = Field(default=None, ge=1)
-    """LLM tokens per UTC day, counted in the persistent usage ledger (generation API)."""
+    """LLM tokens per UTC day, counted in the persistent usage ledger (generation API);
+    with a Redis quota store, in day totals there that every gateway adds to."""
 
     @model_validator(mode="after")
     def _burst_needs_rate(self) -> LimitsConfig:

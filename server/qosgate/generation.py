@@ -1,10 +1,10 @@
 """The generation API's domain: prompt in, text deltas and usage out, free of any transport.
 
 One call goes identify → authorize → render (chat template) → admit (daily budget from the
-usage ledger; rate, concurrency and tokens_per_minute in Admission, reserving the prompt
+usage meter; rate, concurrency and tokens_per_minute in Admission, reserving the prompt
 estimate + max_tokens) → schedule (the same per-model dispatch window as KServe traffic)
 → stream from Triton through the model's adapter → account: the usage is written to the
-ledger, then the daily reservation is settled and the permit released with the tokens the
+meter, then the daily reservation is settled and the permit released with the tokens the
 engine really counted. That last step runs however the call ends (finished, failed, or
 cancelled by the caller), so a cancelled stream frees its window slot and its concurrency
 at once, and costs only what was generated before the cancel.
@@ -32,7 +32,7 @@ from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
 from qosgate.quota import Admission, Refused
 from qosgate.quota.tokens import DailyTokenBudget, estimate_prompt_tokens
 from qosgate.scheduler import Scheduler
-from qosgate.usage import UsageLedger, UsageRecord
+from qosgate.usage import UsageMeter, UsageRecord
 
 # The request parameter our vLLM backend reads as the engine priority (smaller runs
 # first); Triton's own `priority` does not reach Python models in Triton 2.51.
@@ -107,7 +107,7 @@ class GenerationPlane:
         admission: Admission,
         budget: DailyTokenBudget,
         scheduler: Scheduler,
-        ledger: UsageLedger,
+        usage: UsageMeter,
         engine: EngineStreams,
         clock: Clock,
     ) -> None:
@@ -116,7 +116,7 @@ class GenerationPlane:
         self._admission = admission
         self._budget = budget
         self._scheduler = scheduler
-        self._ledger = ledger
+        self._usage = usage
         self._engine = engine
         self._clock = clock
         self._templates: dict[str, ChatTemplate] = {}
@@ -167,7 +167,7 @@ class GenerationPlane:
         prompt_estimate = self._prompt_counters.get(call.model, estimate_prompt_tokens)(request.prompt)
         cost = prompt_estimate + request.sampling.max_tokens
 
-        reservation = self._budget.reserve(tenant, cost)
+        reservation = await self._budget.reserve(tenant, cost)
         if isinstance(reservation, Refused):
             raise reservation.error()
         try:
@@ -226,12 +226,12 @@ class GenerationPlane:
             try:
                 if responses:
                     reason = finished.value if finished is not None else FinishReason.CANCELLED.value
-                    self._ledger.record(
+                    await self._usage.record(
                         UsageRecord(
                             tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason
                         )
                     )
-            finally:  # a ledger that cannot write must not leak the tenant's slot and tokens
+            finally:  # a meter that cannot write must not leak the tenant's slot and tokens
                 self._budget.settle(reservation)
                 await verdict.permit.release(actual_tokens=used.total)
 

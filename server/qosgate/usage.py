@@ -10,6 +10,10 @@ that case as well, which a usage meter does not need.
 
 Totals per (tenant, UTC day) are kept in memory, loaded from the rows of the current
 day when first asked, so budget checks cost no query.
+
+`UsageMeter` is what the rest of the gateway records to and asks: the ledger alone, or,
+with several gateways on one Redis quota store, the ledger plus day totals kept in Redis,
+so that a daily budget and GetUsage's `today` count every gateway's requests.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from qosgate.auth import Tenant
 from qosgate.database import open_database
@@ -137,30 +142,11 @@ class UsageLedger:
                     self._day_totals[key] = summary
             return summary
 
-    def tokens_used(self, tenant: str, day: str) -> int:
-        """Prompt + completion tokens of `tenant` on `day` (the daily budget's count)."""
-        return self.day_summary(tenant, day).total_tokens
-
     def recent_summary(self, tenant: str, seconds: float) -> UsageSummary:
         """What `tenant` used in the last `seconds` (by finish time)."""
         since = self._wall_time() - seconds
         with self._lock:
             return self._summary("tenant = ? AND finished_at >= ?", (tenant, since))
-
-    def report(self, tenant: Tenant) -> UsageReport:
-        """What `tenant` used today (UTC) and in the last 60 s, and what its budget has left."""
-        day = utc_day(self._wall_time())
-        today = self.day_summary(tenant.name, day)
-        budget = tenant.limits.daily_token_budget
-        return UsageReport(
-            tenant=tenant.name,
-            day=day,
-            today=today,
-            this_minute=self.recent_summary(tenant.name, 60.0),
-            daily_token_budget=budget,
-            remaining_daily_tokens=None if budget is None else max(0, budget - today.total_tokens),
-            tokens_per_minute=tenant.limits.tokens_per_minute,
-        )
 
     def _summary(self, where: str, args: tuple[object, ...]) -> UsageSummary:
         row = self._db.execute(
@@ -169,3 +155,65 @@ class UsageLedger:
             args,
         ).fetchone()
         return UsageSummary(int(row[0]), int(row[1]), int(row[2]))
+
+
+class SharedDayUsage(Protocol):
+    """Per-day usage that every gateway adds to and reads (the Redis quota store)."""
+
+    async def record_day_usage(self, tenant: str, day: str, record: UsageRecord) -> None: ...
+
+    async def day_usage(self, tenant: str, day: str) -> UsageSummary | None:
+        """None when the shared store cannot answer and the local count should stand in."""
+        ...
+
+
+class UsageMeter:
+    """Where finished requests are recorded and the day's usage is read.
+
+    Every request goes to this gateway's ledger. With `shared`, it is also added to the
+    day totals all gateways share, and those are the ones budgets and reports count.
+    """
+
+    def __init__(
+        self, ledger: UsageLedger, *, wall_time: Callable[[], float], shared: SharedDayUsage | None = None
+    ) -> None:
+        self._ledger = ledger
+        self._wall_time = wall_time
+        self._shared = shared
+
+    async def record(self, record: UsageRecord) -> None:
+        """Count one finished request (in the ledger first: it is what survives a crash)."""
+        self._ledger.record(record)
+        if self._shared is not None:
+            await self._shared.record_day_usage(record.tenant, utc_day(self._wall_time()), record)
+
+    async def day_summary(self, tenant: str, day: str) -> UsageSummary:
+        """What `tenant` used on the UTC `day`: on every gateway when shared."""
+        if self._shared is not None:
+            summary = await self._shared.day_usage(tenant, day)
+            if summary is not None:
+                return summary
+        return self._ledger.day_summary(tenant, day)
+
+    async def tokens_used(self, tenant: str, day: str) -> int:
+        """Prompt + completion tokens of `tenant` on `day` (the daily budget's count)."""
+        return (await self.day_summary(tenant, day)).total_tokens
+
+    async def report(self, tenant: Tenant) -> UsageReport:
+        """What `tenant` used today (UTC) and in the last 60 s, and what its budget has left.
+
+        The last minute is this gateway's own count: tokens_per_minute is enforced by the
+        quota store, this figure only shows the recent traffic.
+        """
+        day = utc_day(self._wall_time())
+        today = await self.day_summary(tenant.name, day)
+        budget = tenant.limits.daily_token_budget
+        return UsageReport(
+            tenant=tenant.name,
+            day=day,
+            today=today,
+            this_minute=self._ledger.recent_summary(tenant.name, 60.0),
+            daily_token_budget=budget,
+            remaining_daily_tokens=None if budget is None else max(0, budget - today.total_tokens),
+            tokens_per_minute=tenant.limits.tokens_per_minute,
+        )

@@ -1,5 +1,6 @@
 """The Redis quota store on a real redis-server: two Admission instances, each with its own
-RedisQuotaStore and connection (= two gateway processes), enforce one set of limits.
+RedisQuotaStore and connection (= two gateway processes), enforce one set of limits, and
+two gateways count one daily token budget.
 
 Buckets run on Redis server time, so these tests use real time; rates are chosen so that
 the refill during a test is far below one request and outcomes are exact.
@@ -32,6 +33,9 @@ from qosgate.config import QuotaStoreConfig
 from qosgate.errors import Unavailable
 from qosgate.quota import Admission, Admitted, Refused
 from qosgate.quota.redis_store import PROBE_INTERVAL_S, RedisQuotaStore
+from qosgate.quota.tokens import estimate_prompt_tokens
+from qosgate.usage import UsageRecord, UsageSummary
+from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.fakes import FakeClock, make_tenant
@@ -325,3 +329,73 @@ def test_two_gateways_in_front_of_triton_share_one_limit(
                 second.ModelInfer(request, metadata=key, timeout=30)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "requests_per_second limit 0.1 (burst 1)" in refused.value.details()
+
+
+@ON_SESSION_LOOP
+async def test_day_usage_is_shared_by_gateways_and_kept_three_days(redis_server: RedisServer) -> None:
+    config = store_config(redis_server, f"test-{uuid.uuid4().hex[:8]}")
+    clock = MonotonicClock()
+    one, other = (RedisQuotaStore.from_config(config, clock=clock) for _ in range(2))
+    try:
+        await one.record_day_usage("acme", "2026-01-01", UsageRecord("acme", "m", "r1", 10, 5, "stop"))
+        await other.record_day_usage("acme", "2026-01-01", UsageRecord("acme", "m", "r2", 7, 1, "length"))
+        assert await one.day_usage("acme", "2026-01-01") == UsageSummary(2, 17, 6)
+        assert await other.day_usage("acme", "2026-01-02") == UsageSummary()
+        assert await other.day_usage("globex", "2026-01-01") == UsageSummary()
+    finally:
+        await one.aclose()
+        await other.aclose()
+    client = redis.Redis.from_url(redis_server.url)
+    (key,) = client.keys(f"{config.key_prefix}:*:day:*")
+    assert 3 * 86_400 - 60 < client.ttl(key) <= 3 * 86_400
+    client.close()
+
+
+def test_two_gateways_share_one_daily_token_budget(triton, redis_server: RedisServer, tmp_path: Path) -> None:
+    """What one gateway spent counts on the other: its GetUsage shows it, and a request the
+    rest of the budget cannot hold is refused there."""
+    require_model("smollm2")
+    budget = 150
+    shared = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": f"test-{uuid.uuid4().hex[:8]}"}
+    tenants = [
+        {"name": "metered", "api_keys": [{"key": "metered-key"}], "limits": {"daily_token_budget": budget}}
+    ]
+    configs = [
+        gateway_config(
+            triton.ports.grpc_url,
+            tenants=tenants,
+            quota_store=shared,
+            usage_db=str(tmp_path / f"usage-{i}.sqlite3"),
+            batch={"db": str(tmp_path / f"batch-{i}.sqlite3")},
+        )
+        for i in range(2)
+    ]
+    prompt = "The capital of France is"
+    metadata = (("authorization", "Bearer metered-key"),)
+
+    def generate(channel: grpc.Channel, max_tokens: int) -> generation_pb2.GenerateResponse:
+        return generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+            generation_pb2.GenerateRequest(
+                model="smollm2",
+                prompt=prompt,
+                sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            ),
+            metadata=metadata,
+            timeout=120,
+        )
+
+    with GatewayThread(configs[0]) as a, GatewayThread(configs[1]) as b:
+        with grpc.insecure_channel(a.url) as via_a, grpc.insecure_channel(b.url) as via_b:
+            reply = generate(via_a, 16)
+            spent = reply.usage.prompt_tokens + reply.usage.completion_tokens
+            usage = admin_pb2_grpc.AdminServiceStub(via_b).GetUsage(
+                admin_pb2.GetUsageRequest(), metadata=metadata, timeout=10
+            )
+            assert (usage.today.requests, usage.remaining_daily_tokens) == (1, budget - spent)
+            # A fresh budget would hold this request; what gateway a left of it cannot.
+            max_tokens = budget - spent - estimate_prompt_tokens(prompt) + 1
+            assert max_tokens >= 1 and estimate_prompt_tokens(prompt) + max_tokens <= budget
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(via_b, max_tokens)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "daily_token_budget" in refused.value.details()

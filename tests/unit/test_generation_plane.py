@@ -20,7 +20,7 @@ from qosgate.generation import Finished, GenerationCall, GenerationPlane
 from qosgate.quota import Admission, InMemoryQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
-from qosgate.usage import UsageLedger, UsageRecord
+from qosgate.usage import UsageLedger, UsageMeter, UsageRecord
 from tests.fakes import FakeClock
 
 KEY = {"authorization": "Bearer k-acme"}
@@ -94,14 +94,15 @@ def _plane(
     )
     clock = FakeClock()
     ledger = ledger or UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
+    usage = UsageMeter(ledger, wall_time=lambda: DAY0 + 3600)
     scheduler = Scheduler(config, clock)
     plane = GenerationPlane(
         config=config,
         directory=TenantDirectory(config),
         admission=Admission(InMemoryQuotaStore(), clock),
-        budget=DailyTokenBudget(wall_time=lambda: DAY0 + 3600, totals=ledger),
+        budget=DailyTokenBudget(wall_time=lambda: DAY0 + 3600, totals=usage),
         scheduler=scheduler,
-        ledger=ledger,
+        usage=usage,
         engine=engine,
         clock=clock,
     )

@@ -28,16 +28,16 @@ def tenant(name: str = "acme", **limits: int) -> Tenant:
 
 
 class FakeTotals:
-    """The ledger's per-day totals as a dict."""
+    """The usage meter's per-day totals as a dict."""
 
     def __init__(self) -> None:
         self.used: dict[tuple[str, str], int] = {}
 
-    def tokens_used(self, tenant: str, day: str) -> int:
+    async def tokens_used(self, tenant: str, day: str) -> int:
         return self.used.get((tenant, day), 0)
 
     def add(self, tenant: str, day: str, tokens: int) -> None:
-        self.used[(tenant, day)] = self.tokens_used(tenant, day) + tokens
+        self.used[(tenant, day)] = self.used.get((tenant, day), 0) + tokens
 
 
 class Wall:
@@ -120,57 +120,57 @@ async def test_a_refusal_takes_nothing(admission: Admission) -> None:
 # daily_token_budget: ledger totals + in-flight reservations, per UTC day
 
 
-def test_no_budget_always_reserves() -> None:
+async def test_no_budget_always_reserves() -> None:
     budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
-    assert isinstance(budget.reserve(tenant(), 10**9), BudgetReservation)
+    assert isinstance(await budget.reserve(tenant(), 10**9), BudgetReservation)
 
 
-def test_daily_budget_counts_ledger_and_in_flight() -> None:
+async def test_daily_budget_counts_ledger_and_in_flight() -> None:
     totals = FakeTotals()
     budget = DailyTokenBudget(wall_time=Wall(), totals=totals)
     t = tenant(daily_token_budget=1000)
     day = utc_day(NOON)
     totals.add("acme", day, 700)
-    first = budget.reserve(t, 200)
+    first = await budget.reserve(t, 200)
     assert isinstance(first, BudgetReservation)
-    refusal = budget.reserve(t, 200)  # 700 used + 200 in flight + 200 > 1000
+    refusal = await budget.reserve(t, 200)  # 700 used + 200 in flight + 200 > 1000
     assert isinstance(refusal, Refused)
     assert refusal.violations[0].subject == "tenant:acme"
     assert "100 tokens left" in refusal.violations[0].description
     assert refusal.retry_after_s == pytest.approx(12 * 3600)  # until 00:00 UTC
     totals.add("acme", day, 50)  # the first request finished: recorded, then settled
     budget.settle(first)
-    assert isinstance(budget.reserve(t, 200), BudgetReservation)
+    assert isinstance(await budget.reserve(t, 200), BudgetReservation)
 
 
-def test_daily_budget_resets_on_the_next_utc_day() -> None:
+async def test_daily_budget_resets_on_the_next_utc_day() -> None:
     totals, wall = FakeTotals(), Wall()
     budget = DailyTokenBudget(wall_time=wall, totals=totals)
     t = tenant(daily_token_budget=100)
     totals.add("acme", utc_day(NOON), 100)
-    refusal = budget.reserve(t, 1)
+    refusal = await budget.reserve(t, 1)
     assert isinstance(refusal, Refused)
     wall.now += refusal.retry_after_s
-    assert isinstance(budget.reserve(t, 100), BudgetReservation)
+    assert isinstance(await budget.reserve(t, 100), BudgetReservation)
 
 
-def test_settling_a_reservation_of_yesterday_leaves_today_alone() -> None:
+async def test_settling_a_reservation_of_yesterday_leaves_today_alone() -> None:
     wall = Wall(NOON + 12 * 3600 - 1)
     budget = DailyTokenBudget(wall_time=wall, totals=FakeTotals())
     t = tenant(daily_token_budget=100)
-    yesterday = budget.reserve(t, 60)
+    yesterday = await budget.reserve(t, 60)
     assert isinstance(yesterday, BudgetReservation)
     wall.now += 2
-    today = budget.reserve(t, 100)
+    today = await budget.reserve(t, 100)
     assert isinstance(today, BudgetReservation)
     budget.settle(yesterday)
-    assert isinstance(budget.reserve(t, 1), Refused)  # today's 100 still in flight
+    assert isinstance(await budget.reserve(t, 1), Refused)  # today's 100 still in flight
 
 
-def test_tenants_have_separate_budgets() -> None:
+async def test_tenants_have_separate_budgets() -> None:
     budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
-    assert isinstance(budget.reserve(tenant(daily_token_budget=10), 10), BudgetReservation)
-    assert isinstance(budget.reserve(tenant("globex", daily_token_budget=10), 10), BudgetReservation)
+    assert isinstance(await budget.reserve(tenant(daily_token_budget=10), 10), BudgetReservation)
+    assert isinstance(await budget.reserve(tenant("globex", daily_token_budget=10), 10), BudgetReservation)
 
 
 def test_estimate_leans_high_and_utc_helpers() -> None:

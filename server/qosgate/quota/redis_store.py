@@ -15,6 +15,8 @@ ready for Redis Cluster (this store connects to one server).
 - `<prefix>:{t}:rps:<rate>:<burst>`  hash: request bucket (level, updated)
 - `<prefix>:{t}:tpm:<per minute>`    hash: token bucket (level, updated)
 - `<prefix>:{t}:slots`               sorted set: concurrency slot id → lease expiry
+- `<prefix>:{t}:day:<YYYY-MM-DD>`    hash: the UTC day's usage (requests, prompt and
+  completion tokens), what `daily_token_budget` counts; kept for 3 days
 Bucket keys are named after their limits: after a config reload, gateways still on the old
 config and those on the new one each use their own bucket instead of resetting a shared one
 back and forth. A full bucket and a missing key mean the same, so bucket keys expire once
@@ -48,6 +50,7 @@ from qosgate.config import LimitsConfig, QuotaStoreConfig
 from qosgate.errors import Unavailable
 from qosgate.quota.store import refusal
 from qosgate.quota.verdict import Refused
+from qosgate.usage import UsageRecord, UsageSummary
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +189,24 @@ return 1
 """
 )
 
+# KEYS: the day's usage hash. ARGV: prompt tokens, completion tokens, seconds to keep it.
+_RECORD_DAY_LUA = """
+redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS: the day's usage hash. Returns {requests, prompt tokens, completion tokens}.
+_READ_DAY_LUA = """
+local day = redis.call('HMGET', KEYS[1], 'requests', 'prompt_tokens', 'completion_tokens')
+return {tonumber(day[1]) or 0, tonumber(day[2]) or 0, tonumber(day[3]) or 0}
+"""
+
+# A day's usage outlives the day, so GetUsage and a late settle still find it.
+_DAY_KEPT_S = 3 * 86_400
+
 
 class RedisQuotaStore:
     """A `QuotaStore` whose state is in Redis, so several gateway processes enforce each
@@ -216,6 +237,8 @@ class RedisQuotaStore:
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
+        self._record_day = client.register_script(_RECORD_DAY_LUA)
+        self._read_day = client.register_script(_READ_DAY_LUA)
         # Slot ids are unique across gateways and restarts (pods often all run as pid 1).
         self._owner = f"{socket.gethostname()}/{uuid.uuid4().hex[:8]}"
         self._ids = itertools.count()
@@ -322,6 +345,28 @@ class RedisQuotaStore:
             raise_on_deny=False,
         )
 
+    async def record_day_usage(self, tenant: str, day: str, record: UsageRecord) -> None:
+        """Add one finished request to `tenant`'s usage on the UTC `day`, for every gateway.
+
+        Not retried: a request Redis did not hear of is missing from the shared count (the
+        outage is logged), while every gateway's own ledger still has it.
+        """
+        await self._call(
+            self._record_day,
+            keys=(self._day_key(tenant, day),),
+            args=(record.prompt_tokens, record.completion_tokens, _DAY_KEPT_S),
+            raise_on_deny=False,
+        )
+
+    async def day_usage(self, tenant: str, day: str) -> UsageSummary | None:
+        """`tenant`'s usage on `day` across all gateways; None while Redis is unreachable
+        and on_error is allow (raises Unavailable when it is deny)."""
+        reply = await self._call(self._read_day, keys=(self._day_key(tenant, day),), args=())
+        if reply is None:
+            return None
+        requests, prompt_tokens, completion_tokens = (int(n) for n in reply)
+        return UsageSummary(requests, prompt_tokens, completion_tokens)
+
     async def aclose(self) -> None:
         """Stop renewing leases and close the connections (held slots then expire)."""
         if self._renewal is not None:
@@ -403,6 +448,9 @@ class RedisQuotaStore:
 
     def _slots_key(self, tenant: str) -> str:
         return f"{self._prefix}:{{{tenant}}}:slots"
+
+    def _day_key(self, tenant: str, day: str) -> str:
+        return f"{self._prefix}:{{{tenant}}}:day:{day}"
 
 
 def _arg(value: float | None) -> str | float | int:

@@ -3,11 +3,12 @@
 - `tokens_per_minute` lives with the other rate limits in `Admission`: the request is
   admitted with `cost_tokens` = `estimate_prompt_tokens(prompt) + max_tokens`, and
   `permit.release(actual_tokens)` gives back what the request did not use.
-- `daily_token_budget` is counted here, per UTC day, against the persistent usage ledger
-  (so it survives restarts and kill -9) plus the reservations of requests in flight (so
+- `daily_token_budget` is counted here, per UTC day, against the usage meter (the
+  persistent ledger, so it survives restarts and kill -9; or the day totals all gateways
+  share in Redis) plus this gateway's reservations of requests in flight (so its
   concurrent requests cannot overshoot it together).
 
-Pure arithmetic on injected wall time; the ledger is reached through `DailyTotals`.
+Pure arithmetic on injected wall time; the meter is reached through `DailyTotals`.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def seconds_to_next_utc_day(wall_time: float) -> float:
 
 
 class DailyTotals(Protocol):
-    """Where completed requests' tokens are counted per tenant and UTC day (the ledger)."""
+    """Where completed requests' tokens are counted per tenant and UTC day (the usage meter)."""
 
-    def tokens_used(self, tenant: str, day: str) -> int: ...
+    async def tokens_used(self, tenant: str, day: str) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +69,17 @@ class DailyTokenBudget:
         # (tenant, day) → tokens reserved by requests admitted that day and not settled.
         self._in_flight: dict[tuple[str, str], int] = {}
 
-    def reserve(self, tenant: Tenant, tokens: int) -> BudgetReservation | Refused:
+    async def reserve(self, tenant: Tenant, tokens: int) -> BudgetReservation | Refused:
         """Set `tokens` aside for a request of `tenant`, or refuse until the next UTC day."""
         wall = self._wall_time()
         day = utc_day(wall)
         key = (tenant.name, day)
         budget = tenant.limits.daily_token_budget
         if budget is not None:
-            committed = self._totals.tokens_used(tenant.name, day) + self._in_flight.get(key, 0)
+            used = await self._totals.tokens_used(tenant.name, day)
+            # In-flight reservations are read after the await: check and reserve below run
+            # without a suspension in between, so concurrent requests cannot both fit.
+            committed = used + self._in_flight.get(key, 0)
             if committed + tokens > budget:
                 left = max(0, budget - committed)
                 violation = QuotaViolation(

@@ -1,4 +1,4 @@
-"""qosgate.v1.AdminService over gRPC: GetUsage from the usage ledger.
+"""qosgate.v1.AdminService over gRPC: GetUsage from the usage meter.
 
 A tenant reads its own usage; reading another tenant's needs an admin key.
 """
@@ -11,7 +11,7 @@ from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.services import status
 from qosgate.services.headers import text_headers
-from qosgate.usage import UsageLedger, UsageSummary
+from qosgate.usage import UsageMeter, UsageSummary
 from qosgate.v1 import admin_pb2, admin_pb2_grpc
 
 
@@ -26,9 +26,9 @@ def _summary(summary: UsageSummary) -> admin_pb2.TokenUsage:
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """GetUsage for the caller's tenant, or for any tenant when the caller is an admin."""
 
-    def __init__(self, directory: TenantDirectory, ledger: UsageLedger) -> None:
+    def __init__(self, directory: TenantDirectory, usage: UsageMeter) -> None:
         self._directory = directory
-        self._ledger = ledger
+        self._usage = usage
 
     def _target(self, caller: Tenant, name: str) -> Tenant:
         if not name or name == caller.name:
@@ -44,7 +44,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.GetUsageResponse:
         try:
             caller = self._directory.identify(text_headers(context))
-            report = self._ledger.report(self._target(caller, request.tenant))
+            report = await self._usage.report(self._target(caller, request.tenant))
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             await status.abort(context, e)
             raise
