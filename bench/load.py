@@ -2,7 +2,8 @@
 and classes at once, open-loop floods that are refused in part, streams timed per token.
 
 It speaks gRPC through tritonclient's generated stubs on grpc.aio, the same way against
-Triton and against the gateway; only the target and the metadata differ. Every request
+Triton and against the gateway; only the target and the metadata differ. `Target.generate`
+calls the gateway's own qosgate.v1 GenerationService, where token quotas apply. Every request
 ends as an `Outcome` (status code name, timings), never as an exception, because refusals
 are what some scenarios measure.
 """
@@ -19,6 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from qosgate.v1 import generation_pb2, generation_pb2_grpc
 
 # Request bodies are built once per caller; every send reuses the serialised message.
 Tensor = service_pb2.ModelInferRequest.InferInputTensor
@@ -51,6 +54,7 @@ class Outcome:
     end: float
     code: str
     token_times: list[float] = dataclasses.field(default_factory=list)
+    tokens: int = 0  # prompt + completion tokens the gateway charged (qosgate.v1 Generate)
 
     @property
     def ok(self) -> bool:
@@ -143,6 +147,20 @@ class Target:
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
         return Outcome(caller.label, start, self.now(), code)
+
+    async def generate(self, caller: Caller, request: generation_pb2.GenerateRequest,
+                       timeout: float) -> Outcome:
+        """A unary qosgate.v1 Generate; the outcome carries the tokens the reply reports."""
+        start = self.now()
+        outcome = Outcome(caller.label, start, start, "OK")
+        try:
+            reply = await generation_pb2_grpc.GenerationServiceStub(self.channel).Generate(
+                request, metadata=caller.metadata(), timeout=timeout)
+            outcome.tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        except grpc.aio.AioRpcError as exc:
+            outcome.code = exc.code().name
+        outcome.end = self.now()
+        return outcome
 
     async def stream(self, caller: Caller, request: service_pb2.ModelInferRequest,
                      timeout: float) -> Outcome:
