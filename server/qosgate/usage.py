@@ -189,11 +189,14 @@ class UsageMeter:
 
     async def day_summary(self, tenant: str, day: str) -> UsageSummary:
         """What `tenant` used on the UTC `day`: on every gateway when shared."""
+        own = self._ledger.day_summary(tenant, day)
         if self._shared is not None:
             summary = await self._shared.day_usage(tenant, day)
-            if summary is not None:
+            # Every gateway together cannot have used less than this one alone: a smaller
+            # shared count means the store lost the day (a Redis restart without its file).
+            if summary is not None and summary.total_tokens >= own.total_tokens:
                 return summary
-        return self._ledger.day_summary(tenant, day)
+        return own
 
     async def tokens_used(self, tenant: str, day: str) -> int:
         """Prompt + completion tokens of `tenant` on `day` (the daily budget's count)."""

@@ -161,3 +161,8 @@ async def test_a_shared_meter_counts_every_gateway_and_falls_back_to_its_ledger(
     # While the shared store cannot answer, a gateway counts what it knows.
     shared.reachable = False
     assert await ours.tokens_used("acme", "2026-01-01") == 15
+    # A store that lost the day (restarted without persistence) cannot undercut a gateway's own count.
+    shared.reachable, shared.days = True, {}
+    assert await theirs.tokens_used("acme", "2026-01-01") == 120
+    await ours.record(record(prompt=1, completion=1))
+    assert await ours.tokens_used("acme", "2026-01-01") == 17
