@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="gateway YAML config")
     serve.set_defaults(func=_serve)
 
-    up = sub.add_parser("up", help="run a local tritonserver and the gateway together (Ctrl-C stops both; SIGHUP reloads tenants)")
+    up = sub.add_parser(
+        "up",
+        help="run a local tritonserver and the gateway together (Ctrl-C stops both; SIGHUP reloads tenants)",
+    )
     up.add_argument("--config", help="gateway YAML config (default: config/demo.yaml)")
     up.add_argument(
         "--models",
