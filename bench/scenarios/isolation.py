@@ -1,7 +1,8 @@
 """isolation: a `batch`-class flood at 2x and 4x capacity next to a steady `critical`
 stream, on minilm (request latency) and smollm2 (time to first token); through qosgate
 and, as the reference, the same load straight at Triton with Triton's own priority
-levels set per request (the best Triton alone can do).
+levels set per request (the best Triton alone can do). The gateway's CPU per phase, and
+a py-spy profile of it during an extra phase at the top flood, show where its time goes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import logging
 import pathlib
 from collections.abc import Callable
 
-from bench import load, plots
-from bench.report import Aim, Figure, ScenarioResult
+from bench import load, plots, profile
+from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import Stack, checked, gateway_available
 from bench.stats import percentile
@@ -46,6 +47,7 @@ class Phase:
     window: tuple[float, float]
     critical: list[load.Outcome]
     batch: list[load.Outcome]
+    gateway_cpu: float | None = None  # the gateway's CPU seconds per second of the phase
 
     def batch_goodput(self) -> float:
         """Batch requests completed OK inside the phase, per second (later ones are backlog)."""
@@ -65,6 +67,7 @@ class Phase:
             "critical ok": len(lat), "critical refused": sum(not o.ok for o in self.critical),
             "batch goodput/s": round(self.batch_goodput(), 2),
             "refusals by code": ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none",
+            "gateway CPU % of a core": "" if self.gateway_cpu is None else round(100 * self.gateway_cpu),
         }
 
 
@@ -116,13 +119,11 @@ async def run_phase(target: load.Target, name: str, work: Workload, flood: int, 
                              work.batch_timeout)
         jobs.append(load.open_loop(batch_send, flood * cap, until, target.now, seed=2))
     results = await asyncio.gather(*jobs)
-    phase = Phase(work.model, name, flood, (start, until), results[0], results[1] if flood else [])
-    log.info("%s", phase.row())
-    return phase
+    return Phase(work.model, name, flood, (start, until), results[0], results[1] if flood else [])
 
 
 async def measure_model(stack: Stack, work: Workload, seconds: float, cap_seconds: float
-                        ) -> tuple[float, list[Phase]]:
+                        ) -> tuple[float, list[Phase], profile.Profile | None]:
     targets = [("direct", stack.triton_url, DIRECT_CRITICAL, DIRECT_BATCH)]
     if stack.gateway_url:
         targets.append(("qosgate", stack.gateway_url, CRITICAL, BATCH))
@@ -138,10 +139,34 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
         try:
             for flood in LOADS:
                 await asyncio.to_thread(stack.wait_idle, work.model)
-                phases.append(await run_phase(target, name, work, flood, cap, seconds, critical, batch))
+                gateway = stack.gateway if name == "qosgate" else None
+                cpu_before = gateway.cpu_seconds() if gateway else 0.0
+                phase = await run_phase(target, name, work, flood, cap, seconds, critical, batch)
+                if gateway:
+                    phase.gateway_cpu = (gateway.cpu_seconds() - cpu_before) / seconds
+                log.info("%s", phase.row())
+                phases.append(phase)
+            found = None
+            if name == "qosgate" and profile.py_spy() is not None:
+                found = await profiled_phase(stack, target, work, cap, seconds)
         finally:
             await target.close()
-    return cap, phases
+    return cap, phases, found
+
+
+async def profiled_phase(stack: Stack, target: load.Target, work: Workload, cap: float,
+                         seconds: float) -> profile.Profile:
+    """py-spy on the gateway during an extra phase at the top flood (not in the figures:
+    sampling perturbs a little)."""
+    assert stack.gateway is not None
+    await asyncio.to_thread(stack.wait_idle, work.model)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"isolation-{work.model}-gateway.pyspy.txt"
+    recording = asyncio.to_thread(profile.record, stack.gateway.pgid, seconds, out)
+    phase, found = await asyncio.gather(
+        run_phase(target, "qosgate (profiled)", work, LOADS[-1], cap, seconds, CRITICAL, BATCH), recording)
+    log.info("%s", phase.row())
+    return found
 
 
 def run(ctx: RunContext) -> ScenarioResult:
@@ -152,6 +177,7 @@ def run(ctx: RunContext) -> ScenarioResult:
     ]
     phases: list[Phase] = []
     capacities: dict[str, float] = {}
+    tables: dict[str, list[dict[str, object]]] = {}
     notes = [f"{seconds:.0f} s per phase; floods are Poisson open loops at the multiple of the capacity "
              f"measured first (closed loop, {CAPACITY_DEPTH} deep, straight at Triton); critical: Poisson "
              + ", ".join(f"{w.critical_rate}/s on {w.model}" for w in works)
@@ -165,13 +191,17 @@ def run(ctx: RunContext) -> ScenarioResult:
         with checked(Stack(models=[work.model])) as stack:
             if gateway_available():
                 stack.start_gateway(tenants=TENANTS, models=DISPATCH_WINDOWS)
-            cap, model_phases = asyncio.run(measure_model(stack, work, seconds, ctx.pick(5.0, 15.0)))
+            cap, model_phases, found = asyncio.run(measure_model(stack, work, seconds, ctx.pick(5.0, 15.0)))
         capacities[work.model] = cap
         phases += model_phases
+        if found is not None:
+            tables.update({f"{work.model}: {name}": rows for name, rows in found.tables().items()})
+            notes.append(f"{work.model} gateway profile: py-spy, {found.samples} samples during an extra "
+                         f"{LOADS[-1]}x phase; raw stacks in isolation-{work.model}-gateway.pyspy.txt.")
     if not gateway_available():
         notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
     notes.append("capacity: " + ", ".join(f"{m} {c:.1f} req/s" for m, c in capacities.items()))
-    return ctx.result(figures(phases), {"phases": [p.row() for p in phases]}, notes,
+    return ctx.result(figures(phases), {"phases": [p.row() for p in phases], **tables}, notes,
                       plot=lambda path: draw(phases, path))
 
 
