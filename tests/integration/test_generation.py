@@ -35,6 +35,9 @@ QUESTION = "What is the capital of France?"
 ADAPTERS = ["smollm2", "smollm2_trtllm"]
 # Small enough that the engine request smollm2_trtllm cannot cancel ends soon anyway.
 MAX_TOKENS_CANCELLED = 300
+# Greedy SmolLM2 counts on to max_tokens; "Write a very long story about a dragon." ends
+# after 18 tokens, too soon to hold a reservation or to be cancelled on a loaded machine.
+COUNTING_PROMPT = "The numbers from one to one thousand: 1, 2, 3, 4,"
 
 
 def _tenant(name: str, key: str, **limits: int) -> dict[str, object]:
@@ -170,7 +173,7 @@ def test_over_tokens_per_minute_is_resource_exhausted_with_retry_info(
     long = generation.GenerateStream(
         generation_pb2.GenerateStreamRequest(
             model="smollm2",
-            prompt="Write a very long story about a dragon.\n",
+            prompt=COUNTING_PROMPT,
             sampling=generation_pb2.SamplingParams(max_tokens=600, temperature=0.0),
         ),
         metadata=_metadata(METERED_KEY),
@@ -262,7 +265,7 @@ def test_cancelled_stream_frees_its_slots(
     # A long answer, cancelled after a few deltas.
     request = generation_pb2.GenerateStreamRequest(
         model=model,
-        prompt="Write a very long story about a dragon.\n",
+        prompt=COUNTING_PROMPT,
         sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS_CANCELLED, temperature=0.0),
     )
     call = generation.GenerateStream(request, metadata=_metadata(SINGLE_KEY), timeout=120)
