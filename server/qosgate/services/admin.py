@@ -34,10 +34,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if not name or name == caller.name:
             return caller
         self._directory.require_admin(caller, "reading another tenant's usage")
-        for tenant in self._directory.tenants:
-            if tenant.name == name:
-                return tenant
-        raise errors.NotFound(f"no tenant named {name!r}")
+        tenant = self._directory.named(name)
+        if tenant is None:
+            raise errors.NotFound(f"no tenant named {name!r}")
+        return tenant
 
     async def GetUsage(  # noqa: N802 - gRPC method name
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
