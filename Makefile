@@ -1,6 +1,6 @@
 # qosgate: two commands on a fresh machine.
-#   make run    set everything up (idempotent), then run local Triton + the gateway
-#   make test   set everything up, then run the test suite
+#   make run    set up what running needs (idempotent), then run local Triton + the gateway
+#   make test   set up what the tests need too (system packages, perf_analyzer, npm), then test
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -12,9 +12,17 @@ MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
 
-.PHONY: setup venv protos models tools node-deps lint-protos typecheck run test test-unit bench bench-quick clean
+# Debian packages, installed by scripts/system_deps.sh when missing (as root), or named in
+# one command to run (otherwise). Running needs none; perf_analyzer's own (libb64) is
+# installed by its target below.
+TEST_SYSTEM_DEPS := redis-server
+BENCH_SYSTEM_DEPS := nginx-light
 
-setup: venv protos models tools
+.PHONY: setup venv protos models tools node-deps system-deps-test system-deps-bench lint-protos typecheck run test test-unit bench bench-quick clean
+
+# What `make run` needs. Test and bench tools (perf_analyzer, Redis, nginx, npm packages)
+# are set up by `make test` / `make bench` only, so a failure there never stops a run.
+setup: venv protos models
 
 venv: $(STAMP)
 
@@ -39,18 +47,26 @@ models: $(MODELS)
 $(MODELS): $(STAMP)
 	$(VENV)/bin/qosgate prepare-models
 
-# perf_analyzer (Triton's load generator), extracted from the tritonclient 2.51.0 wheel.
+# perf_analyzer (Triton's load generator), extracted from the tritonclient 2.51.0 wheel;
+# it links libb64.
 tools: $(PERF_ANALYZER)
 
 $(PERF_ANALYZER): $(STAMP) scripts/install_perf_analyzer.py
+	scripts/system_deps.sh libb64-0d
 	$(PY) scripts/install_perf_analyzer.py
 
-# The Node client's packages and buf (the protos linter) come from npm;
-# node_modules is git-ignored.
+system-deps-test:
+	@scripts/system_deps.sh $(TEST_SYSTEM_DEPS)
+
+system-deps-bench:
+	@scripts/system_deps.sh $(BENCH_SYSTEM_DEPS)
+
+# The Node client's packages and buf (the protos linter) come from npm, exactly as the
+# committed lock file pins them (`npm ci` never rewrites it); node_modules is git-ignored.
 node-deps: $(NODE_DEPS)
 
 $(NODE_DEPS): clients/node/package.json clients/node/package-lock.json
-	cd clients/node && npm install --no-audit --no-fund
+	cd clients/node && npm ci --no-audit --no-fund
 	touch $@
 
 lint-protos: $(NODE_DEPS)
@@ -63,7 +79,7 @@ typecheck: $(STAMP) $(GEN)
 run: setup
 	$(VENV)/bin/qosgate up
 
-test: setup node-deps lint-protos typecheck
+test: setup system-deps-test tools node-deps lint-protos typecheck
 	$(PY) -m pytest -q
 
 test-unit: venv protos
@@ -77,10 +93,10 @@ $(BENCH_DEPS): $(STAMP)
 
 # The full suite (about half an hour here); `make bench-quick` runs each scenario for about
 # a minute and rewrites README's performance section from what it measured.
-bench: setup $(BENCH_DEPS)
+bench: setup system-deps-bench tools $(BENCH_DEPS)
 	$(PY) -m bench all
 
-bench-quick: setup $(BENCH_DEPS)
+bench-quick: setup system-deps-bench tools $(BENCH_DEPS)
 	$(PY) -m bench all --quick --update-readme
 
 clean:

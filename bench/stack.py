@@ -227,7 +227,7 @@ class Stack:
 
     def start_nginx(self) -> str:
         if shutil.which("nginx") is None:
-            raise RuntimeError("nginx is not installed: apt-get install nginx-light (see .ci/run)")
+            raise RuntimeError("nginx is not installed: make bench installs it (scripts/system_deps.sh nginx-light)")
         directory = self.dir / "nginx"
         directory.mkdir(exist_ok=True)
         port = free_port()

@@ -59,7 +59,7 @@ def cudart_library() -> pathlib.Path:
 
 def require_libb64() -> None:
     if ctypes.util.find_library("b64") is None:
-        raise InstallError("libb64 not found: apt-get install libb64-0d (see .ci/run)")
+        raise InstallError("libb64 not found: scripts/system_deps.sh libb64-0d (make tools runs it)")
 
 
 def download_binary(target: pathlib.Path) -> None:

@@ -90,8 +90,7 @@ def test_cli_reports_code_and_message_on_failure(gateway: GatewayThread) -> None
 def test_node_client_suite_streams_through_the_gateway(gateway: GatewayThread) -> None:
     require_model("smollm2")
     node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
+    assert node is not None, "node is not on PATH: install Node.js 20 (README, Requirements)"
     assert (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
         "Node client packages missing: run `make node-deps`"
     )

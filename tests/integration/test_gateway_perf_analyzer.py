@@ -29,8 +29,7 @@ BOUNDED = (
 
 @pytest.fixture(scope="module")
 def gateway(triton) -> GatewayThread:
-    if not PERF_ANALYZER.exists():
-        pytest.skip("perf_analyzer not installed (make tools)")
+    assert PERF_ANALYZER.exists(), f"perf_analyzer missing at {PERF_ANALYZER}: run `make tools`"
     with GatewayThread(gateway_config(triton.ports.grpc_url)) as running:
         yield running
 

@@ -40,13 +40,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.fakes import FakeClock, make_tenant
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        shutil.which("redis-server") is None,
-        reason="redis-server not installed (apt-get install redis-server; .ci/run does)",
-    ),
-]
+pytestmark = pytest.mark.integration
 
 
 # The async fixture below lives on the session loop (asyncio_default_fixture_loop_scope).
@@ -63,6 +57,9 @@ class RedisServer:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        assert shutil.which("redis-server"), (
+            "redis-server is not installed: `make test` installs it (scripts/system_deps.sh)"
+        )
         self._process = subprocess.Popen(
             [
                 "redis-server",

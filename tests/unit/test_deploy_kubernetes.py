@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
 import yaml
 from qosgate import paths
@@ -109,7 +110,6 @@ def test_every_manifest_is_in_the_kustomization_and_well_formed() -> None:
 )
 def test_manifest_matches_the_kubernetes_api_schema(manifest: Manifest) -> None:
     # Strict: an unknown or misspelt field (`readinesProbe`) fails like a wrong type.
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
 
 
