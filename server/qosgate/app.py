@@ -42,6 +42,7 @@ from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
+from qosgate.tls import server_credentials
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import (
     admin_pb2,
@@ -175,7 +176,12 @@ class Gateway:
             ),
             server,
         )
-        self.port = server.add_insecure_port(self.config.listen)
+        tls = self.config.tls
+        self.port = (
+            server.add_secure_port(self.config.listen, server_credentials(tls))
+            if tls is not None
+            else server.add_insecure_port(self.config.listen)
+        )
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen}")
 
@@ -192,9 +198,10 @@ class Gateway:
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
-            "qosgate listening on %s (port %d), metrics on %s; %s",
+            "qosgate listening on %s (port %d, %s), metrics on %s; %s",
             self.config.listen,
             self.port,
+            "plaintext" if tls is None else "TLS" if tls.client_ca is None else "mutual TLS",
             self.config.metrics_listen if self._serve_metrics else "(off)",
             self.config.summary(),
         )

@@ -1,7 +1,12 @@
-"""Who is calling and what they may do: API key → Tenant, class and admin checks.
+"""Who is calling and what they may do: API key or client certificate → Tenant, class and
+admin checks.
 
 Keys are only ever held as SHA-256 digests: the config may carry a digest or a demo key in
 plain text, and an incoming key is hashed before lookup. No function here logs a key.
+
+A client certificate reaches this module as a ClientCertificate value that the front end
+took from the TLS handshake (already verified against `tls.client_ca`): identification
+stays free of any transport.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ from qosgate.config import GatewayConfig, LimitsConfig, TenantConfig
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 _BEARER = "bearer "
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCertificate:
+    """The verified certificate a caller presented in the mutual TLS handshake."""
+
+    sha256: str
+    """Fingerprint of the certificate's DER bytes, lower-case hex."""
+    sans: tuple[str, ...]
+    """Its subjectAltName entries (DNS names, URIs, e-mail addresses, IP addresses)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +75,12 @@ class TenantDirectory:
             for tenant_config, tenant in zip(config.tenants, tenants, strict=True)
             for key in tenant_config.api_keys
         }
-        self._tenants, self._by_digest = tenants, by_digest
+        by_cert = {
+            cert.identity(): tenant
+            for tenant_config, tenant in zip(config.tenants, tenants, strict=True)
+            for cert in tenant_config.client_certs
+        }
+        self._tenants, self._by_digest, self._by_cert = tenants, by_digest, by_cert
         self._by_name = {tenant.name: tenant for tenant in tenants}
 
     @staticmethod
@@ -83,15 +103,26 @@ class TenantDirectory:
     def named(self, name: str) -> Tenant | None:
         return self._by_name.get(name)
 
-    def identify(self, metadata: Mapping[str, str]) -> Tenant:
-        """The tenant whose key is in `authorization: Bearer KEY` or `x-api-key: KEY`.
+    def identify(
+        self, metadata: Mapping[str, str], certificate: ClientCertificate | None = None
+    ) -> Tenant:
+        """The tenant whose key is in `authorization: Bearer KEY` or `x-api-key: KEY`, or
+        whose `client_certs` match `certificate` (the caller's verified TLS certificate).
 
+        Either credential alone identifies; both must name the same tenant. A key that
+        names no tenant is refused even beside a certificate that does, and so is a
+        certificate that matches entries of two tenants: an ambiguous caller is never
+        guessed at. A certificate that matches no tenant leaves identification to the key.
         Metadata keys are expected lower-case (as gRPC delivers them).
         """
+        by_cert = self._certificate_tenant(certificate) if certificate is not None else None
         key = _presented_key(metadata)
         if not key:
+            if by_cert is not None:
+                return by_cert
             raise Unauthenticated(
                 "missing API key: send 'authorization: Bearer <key>' or 'x-api-key'"
+                + ("; the client certificate identifies no tenant" if certificate is not None else "")
             )
         digest = hashlib.sha256(key.encode()).digest()
         # Keys are compared as SHA-256 digests: the lookup's timing can only reveal how a
@@ -100,7 +131,17 @@ class TenantDirectory:
         tenant = self._by_digest.get(digest)
         if tenant is None:
             raise Unauthenticated("invalid API key")
+        if by_cert is not None and by_cert is not tenant:
+            raise Unauthenticated("the API key and the client certificate identify different tenants")
         return tenant
+
+    def _certificate_tenant(self, certificate: ClientCertificate) -> Tenant | None:
+        """The one tenant `certificate` maps to (fingerprint or any SAN), if any."""
+        identities = [("sha256", certificate.sha256), *(("san", san) for san in certificate.sans)]
+        found = [tenant for i in identities if (tenant := self._by_cert.get(i)) is not None]
+        if any(tenant is not found[0] for tenant in found):
+            raise Unauthenticated("the client certificate matches more than one tenant")
+        return found[0] if found else None
 
     def resolve_class(self, tenant: Tenant, requested: str | None) -> str:
         """The class a request runs in: the requested one (`x-priority`) or the tenant's default."""

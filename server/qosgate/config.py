@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 import re
+import ssl
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -51,6 +52,77 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
+def _pem_file(path: str, what: str) -> str:
+    """`path` if it is a readable file of PEM certificates (`what` names them in errors)."""
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    # The ssl module parses every certificate in the file; a file with none is refused too.
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise ssl.SSLError("no PEM certificate")
+        context.load_verify_locations(cadata=pem.decode("ascii", errors="replace"))
+    except (ssl.SSLError, ValueError):
+        raise ValueError(f"{path} is not {what} (PEM)") from None
+    return path
+
+
+def _no_password() -> str:
+    raise ValueError("encrypted")
+
+
+def _check_key_pair(cert: str, key: str, key_field: str) -> None:
+    """Raise _FieldProblem at `key_field` unless `key` is a readable, unencrypted PEM
+    private key that belongs to the first certificate in `cert` (already checked)."""
+    try:
+        with open(key, "rb"):
+            pass
+    except OSError as e:
+        raise _FieldProblem(key_field, f"cannot read {key}: {e.strerror}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=_no_password)
+    except (ssl.SSLError, ValueError):
+        # The reason only, never the key's content: the ssl module's messages carry none.
+        raise _FieldProblem(
+            key_field, f"{key} is not an unencrypted PEM private key for the certificate {cert}"
+        ) from None
+
+
+class UpstreamTlsConfig(_Frozen):
+    """TLS to one Triton endpoint (Triton's --grpc-use-ssl); mutual when cert and key are set."""
+
+    ca: str | None = None
+    """PEM file of the CA certificates that Triton's server certificate must chain to;
+    default: the system's trusted roots."""
+    cert: str | None = None
+    """PEM file of the gateway's client certificate chain, for a Triton that requires
+    client certificates (--grpc-use-ssl-mutual); needs `key`."""
+    key: str | None = None
+    """PEM file of the private key of `cert` (unencrypted)."""
+
+    @field_validator("ca")
+    @classmethod
+    def _ca_parses(cls, path: str | None) -> str | None:
+        return None if path is None else _pem_file(path, "a CA certificate file")
+
+    @field_validator("cert")
+    @classmethod
+    def _cert_parses(cls, path: str | None) -> str | None:
+        return None if path is None else _pem_file(path, "a certificate file")
+
+    @model_validator(mode="after")
+    def _pair(self) -> UpstreamTlsConfig:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("set both cert and key, or neither")
+        if self.cert is not None and self.key is not None:
+            _check_key_pair(self.cert, self.key, "key")
+        return self
+
+
 class UpstreamConfig(_Frozen):
     """A Triton endpoint the gateway forwards to."""
 
@@ -58,6 +130,71 @@ class UpstreamConfig(_Frozen):
     """Label used in logs and metrics."""
     url: str = Field(min_length=1)
     """gRPC address `host:port` of Triton's GRPCInferenceService."""
+    tls: UpstreamTlsConfig | None = None
+    """TLS to this endpoint; unset: plaintext (right for a Triton on loopback)."""
+
+
+class ListenerTlsConfig(_Frozen):
+    """TLS on the gateway's gRPC listener; mutual TLS when `client_ca` is set."""
+
+    cert: str
+    """PEM file of the gateway's certificate chain (leaf first), valid for the names and
+    addresses clients connect to."""
+    key: str
+    """PEM file of the private key of `cert` (unencrypted; keep it readable only by the
+    gateway's user)."""
+    client_ca: str | None = None
+    """PEM file of the CA certificates that client certificates must chain to. When set,
+    every client must present a certificate (mutual TLS); a tenant's `client_certs` can
+    then identify it without an API key."""
+
+    @field_validator("cert")
+    @classmethod
+    def _cert_parses(cls, path: str) -> str:
+        return _pem_file(path, "a certificate file")
+
+    @field_validator("client_ca")
+    @classmethod
+    def _ca_parses(cls, path: str | None) -> str | None:
+        return None if path is None else _pem_file(path, "a CA certificate file")
+
+    @model_validator(mode="after")
+    def _key_matches(self) -> ListenerTlsConfig:
+        _check_key_pair(self.cert, self.key, "key")
+        return self
+
+
+class ClientCertConfig(_Frozen):
+    """A client certificate that identifies a tenant (mutual TLS), by one of two forms."""
+
+    sha256: str | None = None
+    """SHA-256 fingerprint of the certificate (DER), 64 hex digits, colons allowed
+    (`openssl x509 -in client.pem -noout -fingerprint -sha256`): exactly this one
+    certificate; a renewed certificate needs its new fingerprint here."""
+    san: str | None = None
+    """A subjectAltName entry of the certificate (DNS name, URI such as a SPIFFE ID, or
+    e-mail address): any certificate from `tls.client_ca` that carries it, so renewals
+    need no config change. Only as safe as that CA: use a CA that issues only to your
+    clients."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ClientCertConfig:
+        if (self.sha256 is None) == (self.san is None):
+            raise ValueError("set exactly one of sha256, san")
+        if self.sha256 is not None and not _SHA256_HEX.match(self.fingerprint() or ""):
+            raise _FieldProblem("sha256", "must be 64 hex digits (colons allowed)")
+        if self.san is not None and not self.san:
+            raise _FieldProblem("san", "must not be empty")
+        return self
+
+    def fingerprint(self) -> str | None:
+        """The fingerprint in the form the gateway compares: lower-case hex, no colons."""
+        return None if self.sha256 is None else self.sha256.replace(":", "").lower()
+
+    def identity(self) -> tuple[str, str]:
+        """What a presented certificate is matched on: ("sha256", hex) or ("san", name)."""
+        fingerprint = self.fingerprint()
+        return ("sha256", fingerprint) if fingerprint is not None else ("san", self.san or "")
 
 
 class ApiKeyConfig(_Frozen):
@@ -120,6 +257,8 @@ class TenantConfig(_Frozen):
     """Unique name, used in logs, metrics and usage records."""
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     """Keys that identify this tenant (`authorization: Bearer KEY` or `x-api-key: KEY`)."""
+    client_certs: list[ClientCertConfig] = Field(default_factory=list)
+    """Client certificates that identify this tenant without a key (needs `tls.client_ca`)."""
     weight: float = Field(default=1.0, gt=0)
     """Fair-share weight against other tenants inside the same class."""
     default_class: str | None = None
@@ -296,6 +435,8 @@ class GatewayConfig(_Frozen):
     """Batch jobs."""
     quota_store: QuotaStoreConfig = Field(default_factory=QuotaStoreConfig)
     """Where quota state lives: this process, or Redis shared by all gateway replicas."""
+    tls: ListenerTlsConfig | None = None
+    """TLS on `listen`; unset: plaintext (right for loopback only)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
@@ -351,6 +492,7 @@ class GatewayConfig(_Frozen):
 
         names: dict[str, int] = {}
         digests: dict[bytes, str] = {}
+        cert_owners: dict[tuple[str, str], str] = {}
         for i, tenant in enumerate(self.tenants):
             where = f"tenants[{i}]"
             if tenant.name in names:
@@ -364,6 +506,17 @@ class GatewayConfig(_Frozen):
                         f"duplicate API key (also used by tenant {digests[digest]!r})",
                     )
                 digests[digest] = tenant.name
+            for j, cert in enumerate(tenant.client_certs):
+                cert_path = f"{where}.client_certs[{j}]"
+                if self.tls is None or self.tls.client_ca is None:
+                    yield _FieldProblem(cert_path, "client certificates need tls.client_ca (mutual TLS)")
+                identity = cert.identity()
+                if identity in cert_owners:
+                    yield _FieldProblem(
+                        cert_path,
+                        f"duplicate client certificate {identity[0]} (also used by tenant {cert_owners[identity]!r})",
+                    )
+                cert_owners.setdefault(identity, tenant.name)
             for field in ("default_class", "max_class"):
                 klass = getattr(tenant, field)
                 if klass is not None and klass not in levels:

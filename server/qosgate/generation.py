@@ -25,7 +25,7 @@ from qosgate.adapters import GenerationAdapter, adapter_for
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
 from qosgate.adapters.tokenizer import tokenizer_counter
-from qosgate.auth import Tenant, TenantDirectory
+from qosgate.auth import ClientCertificate, Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
@@ -133,17 +133,18 @@ class GenerationPlane:
         metadata: Mapping[str, str],
         call: GenerationCall,
         *,
+        certificate: ClientCertificate | None = None,
         deadline: float | None = None,
         labels: CallLabels | None = None,
     ) -> AsyncGenerator[str | Finished, None]:
-        """Text deltas, then one Finished, for the caller the metadata's key names.
-        `deadline` is on the plane's clock.
+        """Text deltas, then one Finished, for the caller the metadata's key (or its client
+        `certificate`) names. `deadline` is on the plane's clock.
 
         Close the iterator when done with it (`contextlib.aclosing`): that is what
         releases the request's slot and quotas when the caller stops early.
         """
         labels = labels if labels is not None else CallLabels()
-        tenant = self._directory.identify(metadata)
+        tenant = self._directory.identify(metadata, certificate)
         labels.tenant = tenant.name
         return self.generate_for(tenant, call, deadline=deadline, labels=labels)
 

@@ -12,14 +12,17 @@ from qosgate.auth import TenantDirectory
 from qosgate.cli import main
 from qosgate.config import (
     ApiKeyConfig,
+    ClientCertConfig,
     ConfigError,
     GatewayConfig,
     LimitsConfig,
+    ListenerTlsConfig,
     ModelPolicy,
     QuotaStoreConfig,
     SchedulerConfig,
     TenantConfig,
     UpstreamConfig,
+    UpstreamTlsConfig,
     load_config,
     parse_config,
 )
@@ -192,6 +195,8 @@ def test_readme_documents_every_config_key() -> None:
     ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
+    keys |= {f"client_certs[].{name}" for name in ClientCertConfig.model_fields}
+    keys |= {f"tls.{name}" for model in (ListenerTlsConfig, UpstreamTlsConfig) for name in model.model_fields}
     assert keys - documented == set()
 
 

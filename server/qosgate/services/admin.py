@@ -11,6 +11,7 @@ from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.services import status
 from qosgate.services.headers import text_headers
+from qosgate.tls import client_certificate
 from qosgate.usage import UsageMeter, UsageSummary
 from qosgate.v1 import admin_pb2, admin_pb2_grpc
 
@@ -43,7 +44,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetUsageResponse:
         try:
-            caller = self._directory.identify(text_headers(context))
+            caller = self._directory.identify(text_headers(context), client_certificate(context))
             report = await self._usage.report(self._target(caller, request.tenant))
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             await status.abort(context, e)

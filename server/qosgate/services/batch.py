@@ -23,6 +23,7 @@ from qosgate.jobs.runner import JobRunner
 from qosgate.jobs.store import JobStore
 from qosgate.services import status
 from qosgate.services.headers import text_headers
+from qosgate.tls import client_certificate
 from qosgate.v1 import batch_pb2, batch_pb2_grpc, embedding_pb2, generation_pb2
 
 DEFAULT_PAGE_SIZE = 20
@@ -176,7 +177,7 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         self._callbacks = CallbackPolicy(config.callback_allowlist)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self._directory.identify(text_headers(context))
+        return self._directory.identify(text_headers(context), client_certificate(context))
 
     async def CreateBatch(
         self,

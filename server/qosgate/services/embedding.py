@@ -12,6 +12,7 @@ from qosgate.embedding import EmbeddingPlane, Embeddings
 from qosgate.services import status
 from qosgate.services.generation import duration, upstream_error
 from qosgate.services.headers import text_headers
+from qosgate.tls import client_certificate
 from qosgate.upstream import UpstreamPool
 from qosgate.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
 
@@ -42,7 +43,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
         self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> embedding_pb2.EmbedResponse:
         try:
-            tenant = self._directory.identify(text_headers(context))
+            tenant = self._directory.identify(text_headers(context), client_certificate(context))
             remaining = context.time_remaining()
             result = await self._plane.embed(
                 tenant,

@@ -20,6 +20,7 @@ from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationP
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
 from qosgate.services.headers import text_headers
+from qosgate.tls import client_certificate
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -146,15 +147,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         return None if remaining is None else self._now() + remaining
 
+    def _generate(
+        self, call: GenerationCall, context: grpc.aio.ServicerContext, labels: CallLabels
+    ) -> AsyncGenerator[str | Finished, None]:
+        """The plane's items for `call`, on behalf of the caller's key or client certificate."""
+        return self._plane.generate(
+            text_headers(context),
+            call,
+            certificate=client_certificate(context),
+            deadline=self._deadline(context),
+            labels=labels,
+        )
+
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
         labels = CallLabels()
         try:
             call = to_call(request, stream=False)
-            async with contextlib.aclosing(
-                self._plane.generate(text_headers(context), call, deadline=self._deadline(context), labels=labels)
-            ) as items:
+            async with contextlib.aclosing(self._generate(call, context, labels)) as items:
                 response = await collect_response(items)
         except asyncio.CancelledError as e:
             self._record("Generate", request.model, labels, e)
@@ -172,9 +183,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         labels = CallLabels()
         try:
             call = to_call(request, stream=True)
-            async with contextlib.aclosing(
-                self._plane.generate(text_headers(context), call, deadline=self._deadline(context), labels=labels)
-            ) as items:
+            async with contextlib.aclosing(self._generate(call, context, labels)) as items:
                 async for item in items:
                     if isinstance(item, Finished):
                         yield generation_pb2.GenerateStreamResponse(

@@ -36,6 +36,7 @@ from qosgate.quota import Admission, Refused
 from qosgate.scheduler import Scheduler
 from qosgate.services import infer_wire, status
 from qosgate.services.headers import text_headers
+from qosgate.tls import client_certificate
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import METHODS, SERVICE
 
@@ -137,7 +138,7 @@ class KServeService:
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                tenant = self._directory.identify(text_headers(context))
+                tenant = self._directory.identify(text_headers(context), client_certificate(context))
                 check(tenant, request)
                 reply = await self._forward(method, request, context)
                 return reply if reply_filter is None else reply_filter(tenant, reply)
@@ -231,7 +232,7 @@ class KServeService:
         self, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
     ) -> bytes:
         metadata = text_headers(context)
-        tenant = self._directory.identify(metadata)
+        tenant = self._directory.identify(metadata, client_certificate(context))
         outcome.tenant = tenant.name
         model = _peek(request).model_name
         klass = self._authorize(tenant, metadata, model)
@@ -355,7 +356,7 @@ class _StreamSession:
     async def run(self) -> None:
         svc, context = self._svc, self._context
         try:
-            tenant = svc._directory.identify(self._metadata)
+            tenant = svc._directory.identify(self._metadata, client_certificate(context))
             upstream = svc._pool.pick()
         except errors.GatewayError as e:
             svc._record(_Outcome("ModelStreamInfer"), e)

@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2
 
 from qosgate.config import UpstreamConfig
 from qosgate.errors import Unavailable
+from qosgate.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,13 @@ HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
 class Upstream:
     """One Triton endpoint: its channel, per-method callables, health and load."""
 
-    __slots__ = ("name", "url", "channel", "in_flight", "healthy", "_unary", "_stream")
+    __slots__ = ("name", "url", "tls", "channel", "in_flight", "healthy", "_unary", "_stream")
 
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.name = config.name
         self.url = config.url
+        self.tls = config.tls
         self.in_flight = 0
         self.healthy = False
         self.channel: grpc.aio.Channel | None = None
@@ -55,7 +57,11 @@ class Upstream:
 
     def open(self) -> None:
         """Create the channel; inside the event loop that will use it (grpc.aio binds to it)."""
-        channel = self.channel = grpc.aio.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+        channel = self.channel = (
+            grpc.aio.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+            if self.tls is None
+            else grpc.aio.secure_channel(self.url, channel_credentials(self.tls), options=_CHANNEL_OPTIONS)
+        )
         # No serializers: bytes go out and come back as they are on the wire.
         self._unary = {
             m: channel.unary_unary(f"/{SERVICE}/{m}") for m in METHODS if m != "ModelStreamInfer"
