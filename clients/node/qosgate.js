@@ -2,6 +2,7 @@
 // A small Node.js client for the qosgate.v1 API. The .proto files are loaded at run time
 // from protos/ in this repository, so there is no generated code to keep in sync.
 
+const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -30,8 +31,20 @@ function unary(stub, method, request, metadata) {
 }
 
 /**
+ * TLS credentials for a gateway with `tls:` set: `ca` (PEM file of the CA to verify it
+ * with; default: the system roots), and for mutual TLS `cert` and `key` (PEM files of
+ * the client certificate and its key). Pass the result as QosgateClient's `credentials`.
+ */
+function tlsCredentials({ ca, cert, key } = {}) {
+  if (Boolean(cert) !== Boolean(key)) throw new Error('give both a client certificate and its key, or neither');
+  const read = (file) => (file ? fs.readFileSync(file) : null);
+  return grpc.credentials.createSsl(read(ca), read(key), read(cert));
+}
+
+/**
  * A connection to a gateway for one tenant.
- * `target` is host:port; `apiKey` is sent as `authorization: Bearer <key>` on every call.
+ * `target` is host:port; `apiKey` is sent as `authorization: Bearer <key>` on every call
+ * (leave it out when a client certificate identifies the tenant).
  */
 class QosgateClient {
   constructor(target, apiKey, credentials = grpc.credentials.createInsecure()) {
@@ -71,4 +84,4 @@ class QosgateClient {
   }
 }
 
-module.exports = { QosgateClient, qosgateV1 };
+module.exports = { QosgateClient, qosgateV1, tlsCredentials };

@@ -1,7 +1,8 @@
 """`qosgate-client`: generate, embed, usage and batch jobs against a qosgate gateway.
 
 The API key comes from --api-key or the environment variable QOSGATE_API_KEY, the address
-from --target or QOSGATE_TARGET (default 127.0.0.1:50051).
+from --target or QOSGATE_TARGET (default 127.0.0.1:50051). --tls, --ca, --cert/--key
+connect over TLS; a client certificate the gateway maps to a tenant replaces the key.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from google.protobuf import json_format
 from qosgate.v1 import batch_pb2, generation_pb2
 
 from qosgate_client.batch_file import BatchFileError, check_batch_file, read_batch_items
-from qosgate_client.client import DEFAULT_TARGET, Client, ClientError
+from qosgate_client.client import DEFAULT_TARGET, Client, ClientError, TlsOptions
 
 FINISHED = {batch_pb2.BATCH_STATUS_COMPLETED, batch_pb2.BATCH_STATUS_CANCELLED}
 
@@ -206,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("QOSGATE_API_KEY"), help="default: $QOSGATE_API_KEY"
     )
     parser.add_argument("--timeout", type=float, help="per-call deadline in seconds")
+    tls = parser.add_argument_group("TLS (any of these connects over TLS)")
+    tls.add_argument("--tls", action="store_true", help="TLS, trusting the system's CA roots")
+    tls.add_argument("--ca", metavar="FILE", help="PEM CA certificates to verify the gateway with")
+    tls.add_argument("--cert", metavar="FILE", help="PEM client certificate (mutual TLS)")
+    tls.add_argument("--key", metavar="FILE", help="PEM private key of --cert")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal, then usage")
@@ -255,11 +261,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TlsOptions | None:
+    if not (args.tls or args.ca or args.cert or args.key):
+        return None
+    try:
+        return TlsOptions(ca_file=args.ca, cert_file=args.cert, key_file=args.key)
+    except ValueError as error:
+        parser.error(f"--cert/--key: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     handler: Callable[[Client, argparse.Namespace], int] = args.func
     try:
-        with Client(args.target, args.api_key, timeout_s=args.timeout) as client:
+        client = Client(args.target, args.api_key, timeout_s=args.timeout, tls=_tls(parser, args))
+    except OSError as error:  # a TLS file that cannot be read
+        print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             return handler(client, args)
     except ClientError as error:
         retry = f" (retry after {error.retry_after_s:.1f} s)" if error.retry_after_s else ""

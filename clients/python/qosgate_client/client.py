@@ -8,6 +8,8 @@ status code, message and server-suggested retry delay.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -122,6 +124,38 @@ def _fill_generation(
     return request
 
 
+@dataclass(frozen=True, slots=True)
+class TlsOptions:
+    """TLS to the gateway: whom to trust and, for mutual TLS, which certificate to present.
+
+    With `cert_file` and `key_file` a gateway whose tenants map client certificates
+    identifies the tenant without an API key.
+    """
+
+    ca_file: str | None = None
+    """PEM CA certificates the gateway's certificate must chain to; default: system roots."""
+    cert_file: str | None = None
+    """PEM client certificate chain (mutual TLS); needs `key_file`."""
+    key_file: str | None = None
+    """PEM private key of `cert_file`."""
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("give both a client certificate and its key, or neither")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The files read into grpc's channel credentials (raises OSError if one is unreadable)."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file),
+            private_key=_read(self.key_file),
+            certificate_chain=_read(self.cert_file),
+        )
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
 class Client:
     """A connection to a qosgate gateway on behalf of one tenant (its API key).
 
@@ -136,8 +170,15 @@ class Client:
         *,
         timeout_s: float | None = None,
         channel: grpc.Channel | None = None,
+        tls: TlsOptions | None = None,
     ) -> None:
-        self._channel = channel or grpc.insecure_channel(target)
+        if channel is None:
+            channel = (
+                grpc.insecure_channel(target)
+                if tls is None
+                else grpc.secure_channel(target, tls.credentials())
+            )
+        self._channel = channel
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
         self._generation = generation_pb2_grpc.GenerationServiceStub(self._channel)
