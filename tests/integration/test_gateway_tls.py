@@ -1,6 +1,7 @@
 """TLS and mutual TLS with real certificates made at test time, through real channels:
 tritonclient (`ssl=True` and its certificate options), perf_analyzer (`--ssl-grpc-*`), the
-qosgate Python client and CLI, and the gateway reaching a Triton that requires TLS.
+qosgate Python client and CLI, the Node client, and the gateway reaching a Triton that
+requires TLS.
 
 The PKI: one CA issues the gateway's server certificate (127.0.0.1/localhost) and the
 clients' certificates: acme's is mapped by its SAN, globex's by its SHA-256 fingerprint,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.integration
 ACME_SAN = "spiffe://qosgate.test/acme"
 PERF_ANALYZER = paths.cache_dir() / "tools" / "perf_analyzer"
 CLI = Path(sys.executable).parent / "qosgate-client"
+NODE_CLIENT = paths.project_root() / "clients" / "node" / "qosgate.js"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,29 @@ def test_cli_over_mtls_and_tls(mtls_gateway: GatewayThread, tls_gateway: Gateway
     run = cli("--target", tls_gateway.url, "--cert", str(pki.acme.cert), "usage")
     assert run.returncode == 2
     assert "give both a client certificate and its key" in run.stderr
+
+
+NODE_USAGE = """
+const [module, target, ca, cert, key] = process.argv.slice(1);
+const { QosgateClient, tlsCredentials } = require(module);
+const client = new QosgateClient(target, undefined, tlsCredentials({ ca, cert, key }));
+client.usage().then(
+  (usage) => { console.log(usage.tenant); client.close(); },
+  (error) => { console.error(error.message); process.exit(1); },
+);
+"""
+
+
+def test_node_client_over_mtls(mtls_gateway: GatewayThread, pki: Pki) -> None:
+    node = shutil.which("node")
+    if node is None or not (NODE_CLIENT.parent / "node_modules").is_dir():
+        pytest.fail("node or the Node client's packages missing: install Node.js 20 and run `make node-deps`")
+    run = subprocess.run(
+        [node, "-e", NODE_USAGE, str(NODE_CLIENT), mtls_gateway.url, str(pki.ca.cert), str(pki.acme.cert), str(pki.acme.key)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "acme"
 
 
 # -- perf_analyzer -----------------------------------------------------------------------
