@@ -1,4 +1,5 @@
-"""Shared fixtures: free loopback ports and one real tritonserver per test session.
+"""Shared fixtures: free loopback ports, one real tritonserver and one real PostgreSQL
+server per test session.
 
 Integration tests start real processes. The Triton fixture loads the models named in
 QOSGATE_TEST_MODELS (comma-separated; default: every model in model_repository/ that the
@@ -13,6 +14,8 @@ import socket
 import pytest
 
 from qosgate.launcher import LocalTriton, TritonPorts
+
+from tests.postgres_server import PostgresServer
 
 DEFAULT_TEST_MODELS = "smollm2,smollm2_trtllm,minilm,identity"
 
@@ -45,3 +48,14 @@ def require_model(name: str) -> None:
     """Skip a test whose model this session's Triton was not asked to load."""
     if name not in test_models():
         pytest.skip(f"model {name!r} not in QOSGATE_TEST_MODELS")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> PostgresServer:
+    """A real PostgreSQL server on a free loopback port; `postgres.database()` gives each
+    test its own empty database."""
+    server = PostgresServer(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -27,6 +27,8 @@ from qosgate.embedding import EmbeddingPlane
 from qosgate.generation import GenerationPlane
 from qosgate.jobs.callbacks import HttpCallbackSender
 from qosgate.jobs.runner import JobRunner, RetryPolicy
+from qosgate.jobs.postgres_store import PostgresJobStore
+from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
 from qosgate.launcher import LocalTriton, TritonPorts
 from qosgate.metrics import GatewayMetrics, MetricsEndpoint
@@ -112,7 +114,7 @@ class Gateway:
             engine=PoolEngineInfer(self.pool),
             clock=self.clock,
         )
-        self.jobs = JobStore(config.batch.db or paths.cache_dir() / "batch.sqlite3", wall_time=time.time)
+        self.jobs = self._job_store(config)
         self.batch_runner = JobRunner(
             self.jobs,
             PlaneItemExecutor(self.generation, self.embedding),
@@ -120,6 +122,7 @@ class Gateway:
             wall_time=time.time,
             callbacks=HttpCallbackSender(),
             klass=config.batch_class(),
+            lease_renew_interval_s=config.job_store.lease_s / 3,
             max_in_flight=config.batch.max_in_flight,
             retry=RetryPolicy(
                 max_attempts=config.batch.max_attempts,
@@ -134,12 +137,30 @@ class Gateway:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
 
+    @staticmethod
+    def _job_store(config: GatewayConfig) -> JobStore:
+        """PostgreSQL when several gateway replicas must serve the same batch jobs."""
+        settings = config.job_store
+        if settings.backend == "postgres":
+            return PostgresJobStore(
+                settings.postgres_url,
+                wall_time=time.time,
+                password=os.environ.get(settings.password_env) if settings.password_env else None,
+                pool_size=settings.pool_size,
+                timeout_s=settings.timeout_s,
+                lease_s=settings.lease_s,
+            )
+        path = config.batch.db or paths.cache_dir() / "batch.sqlite3"
+        return SqliteJobStore(path, wall_time=time.time, lease_s=settings.lease_s)
+
     @property
     def metrics_port(self) -> int | None:
         return self._metrics_endpoint.port if self._metrics_endpoint else None
 
     async def start(self) -> None:
-        """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
+        """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving.
+        Raises Unavailable when the job store cannot be reached."""
+        await self.jobs.open()
         kserve = KServeService(
             directory=self.directory,
             admission=self.admission,
@@ -238,7 +259,7 @@ class Gateway:
         if self._shared_quota is not None:
             await self._shared_quota.aclose()
         self.ledger.close()
-        self.jobs.close()
+        await self.jobs.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
             self._metrics_endpoint = None

@@ -348,8 +348,8 @@ class BatchConfig(_Frozen):
     """Batch jobs (qosgate.v1.BatchService): storage, dispatch, retries and limits."""
 
     db: str | None = None
-    """SQLite file of jobs, items and results; relative paths are relative to the working
-    directory; default `<project>/.cache/batch.sqlite3`."""
+    """SQLite file of jobs, items and results (`job_store.backend: sqlite`); relative
+    paths are relative to the working directory; default `<project>/.cache/batch.sqlite3`."""
     priority_class: str | None = None
     """Class that batch items are scheduled at; default: the lowest class, so every other
     class wins the dispatch windows."""
@@ -373,6 +373,36 @@ class BatchConfig(_Frozen):
     callback_allowlist: list[str] = Field(default_factory=list)
     """URL prefixes completion callbacks may use (scheme, host:port and path prefix must
     match); empty: callbacks are refused."""
+
+
+class JobStoreConfig(_Frozen):
+    """Where batch jobs, their items and results live."""
+
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    """`sqlite`: the embedded file `batch.db`, owned by this gateway alone; `postgres`: a
+    PostgreSQL database shared by every gateway that uses it, so any of them serves any
+    job of the tenant and takes over the items of one that died."""
+    postgres_url: str = "postgresql://qosgate@127.0.0.1:5432/qosgate"
+    """PostgreSQL server and database (libpq URL: `postgresql://user@host:port/db`,
+    options such as `?sslmode=require` included); no password here, see `password_env`."""
+    password_env: str | None = None
+    """Environment variable holding the PostgreSQL password (keeps it out of the config)."""
+    pool_size: int = Field(default=4, ge=1)
+    """PostgreSQL connections this gateway keeps open at most."""
+    timeout_s: float = Field(default=5.0, gt=0)
+    """Longest wait for a PostgreSQL connection or one statement; past it the call fails
+    UNAVAILABLE."""
+    lease_s: float = Field(default=30.0, gt=0)
+    """Lease of a dispatched item: renewed every third of it while the item runs, so the
+    items of a gateway that died go back to the queue after at most this long (plus a
+    third of it) and another gateway runs them."""
+
+    @field_validator("postgres_url")
+    @classmethod
+    def _postgres_scheme(cls, url: str) -> str:
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql:// or postgres://")
+        return url
 
 
 class QuotaStoreConfig(_Frozen):
@@ -437,6 +467,9 @@ class GatewayConfig(_Frozen):
     """Where quota state lives: this process, or Redis shared by all gateway replicas."""
     tls: ListenerTlsConfig | None = None
     """TLS on `listen`; unset: plaintext (right for loopback only)."""
+    job_store: JobStoreConfig = Field(default_factory=JobStoreConfig)
+    """Where batch jobs live: this gateway's SQLite file, or PostgreSQL shared by all
+    gateway replicas."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

@@ -15,6 +15,7 @@ from qosgate.config import (
     ClientCertConfig,
     ConfigError,
     GatewayConfig,
+    JobStoreConfig,
     LimitsConfig,
     ListenerTlsConfig,
     ModelPolicy,
@@ -55,6 +56,9 @@ EXPECTED_ERRORS = {
         "scheduler: floor shares of the lower classes must sum to less than 1"
     ),
     "floor_unknown_class": f"scheduler.floor_share_by_class.gold: unknown class 'gold' {CLASSES}",
+    "job_store_bad_url": (
+        "job_store.postgres_url: must start with postgresql:// or postgres://"
+    ),
     "missing_tenant_name": "tenants[0].name: Field required",
     "not_a_mapping": "(root): expected a mapping, got list",
     "sheddable_highest": (
@@ -192,6 +196,7 @@ def test_readme_documents_every_config_key() -> None:
         TenantConfig,
         LimitsConfig,
         QuotaStoreConfig,
+        JobStoreConfig,
     ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}

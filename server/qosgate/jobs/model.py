@@ -68,7 +68,8 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class ClaimedItem:
-    """An item the runner took for dispatch; `attempt` counts this dispatch (1 = first)."""
+    """An item the runner took for dispatch; `attempt` counts this dispatch (1 = first);
+    `lease_token` names this claim (only its holder may record the item's result)."""
 
     job_id: str
     seq: int
@@ -77,6 +78,7 @@ class ClaimedItem:
     kind: ItemKind
     payload: bytes
     attempt: int
+    lease_token: str
 
 
 @dataclass(frozen=True, slots=True)

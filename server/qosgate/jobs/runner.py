@@ -5,6 +5,10 @@ always win the dispatch window) and the upstream like any request; the runner on
 a bounded number of them in flight, so the scheduler's queues hold a few batch items
 rather than a whole job. Transient failures (shedding, upstream trouble, quota refusals)
 are retried with exponential backoff; other errors are recorded as the item's result.
+
+Every item in flight holds a lease in the store, renewed every `lease_renew_interval_s`;
+at the same turn the runner re-queues items whose lease ran out (their gateway died) and
+stops its own items that it no longer holds or whose job was cancelled on another gateway.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class JobRunner:
         retry: RetryPolicy = RetryPolicy(),
         idle_poll_s: float = 5.0,
         housekeeping_interval_s: float = 60.0,
+        lease_renew_interval_s: float = 10.0,
     ) -> None:
         self._store = store
         self._executor = executor
@@ -87,7 +92,10 @@ class JobRunner:
         self._retry = retry
         self._idle_poll_s = idle_poll_s
         self._housekeeping_interval_s = housekeeping_interval_s
+        self._lease_renew_interval_s = lease_renew_interval_s
         self._in_flight: dict[asyncio.Task[None], ClaimedItem] = {}
+        # Tasks stopped because their item is no longer ours to finish.
+        self._revoked: set[asyncio.Task[None]] = set()
         self._callback_tasks: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._last_tenant = ""
@@ -96,9 +104,10 @@ class JobRunner:
         """New work exists (a job was sealed): look for it now rather than at the next poll."""
         self._wake.set()
 
-    def cancel(self, tenant: str, job_id: str) -> Job:
-        """Cancel a job: nothing more is dispatched and its in-flight items are stopped."""
-        job = self._store.cancel_job(tenant, job_id)
+    async def cancel(self, tenant: str, job_id: str) -> Job:
+        """Cancel a job: nothing more is dispatched and its in-flight items here are
+        stopped (those on other gateways at their runner's next lease renewal)."""
+        job = await self._store.cancel_job(tenant, job_id)
         for task, item in list(self._in_flight.items()):
             if item.job_id == job_id:
                 task.cancel()
@@ -106,25 +115,37 @@ class JobRunner:
 
     async def run(self) -> None:
         """Dispatch until cancelled. Items in flight at shutdown stay `running` in the store
-        and are re-run by the next start, exactly as after a kill -9."""
-        requeued = self._store.recover()
-        if requeued:
-            log.info("batch runner: %d item(s) re-queued after restart", requeued)
-        next_housekeeping = 0.0
+        and are re-run by the next start (or, in a shared store, by another gateway after
+        their lease), exactly as after a kill -9."""
+        recovered = False
+        next_housekeeping = next_lease_turn = 0.0
         try:
             while True:
-                if self._wall_time() >= next_housekeeping:
-                    # Also retries callbacks that failed (or were cut off by a restart).
-                    for job in self._store.callbacks_due():
-                        self._send_callback(job)
-                    self._store.expire()
-                    next_housekeeping = self._wall_time() + self._housekeeping_interval_s
-                self._fill()
                 self._wake.clear()
+                try:
+                    if not recovered:
+                        requeued = await self._store.recover()
+                        recovered = True
+                        if requeued:
+                            log.info("batch runner: %d item(s) re-queued after restart", requeued)
+                    if self._wall_time() >= next_housekeeping:
+                        # Also retries callbacks that failed (or were cut off by a restart).
+                        for job in await self._store.callbacks_due():
+                            self._send_callback(job)
+                        await self._store.expire()
+                        next_housekeeping = self._wall_time() + self._housekeeping_interval_s
+                    if self._wall_time() >= next_lease_turn:
+                        await self._keep_leases()
+                        next_lease_turn = self._wall_time() + self._lease_renew_interval_s
+                    await self._fill()
+                    sleep_s = min(await self._sleep_s(), next_lease_turn - self._wall_time())
+                except Unavailable as error:
+                    log.warning("batch runner: %s; trying again shortly", error.message)
+                    sleep_s = self._idle_poll_s
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
                 # cancel that lands as the wait ends, and then shutdown never returns.
                 try:
-                    async with asyncio.timeout(self._sleep_s()):
+                    async with asyncio.timeout(max(0.0, sleep_s)):
                         await self._wake.wait()
                 except TimeoutError:
                     pass
@@ -134,17 +155,27 @@ class JobRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _sleep_s(self) -> float:
+    async def _keep_leases(self) -> None:
+        stop = {item.lease_token for item in await self._store.renew(list(self._in_flight.values()))}
+        for task, item in list(self._in_flight.items()):
+            if item.lease_token in stop:
+                self._revoked.add(task)
+                task.cancel()
+        requeued = await self._store.requeue_expired()
+        if requeued:
+            log.info("batch runner: %d item(s) whose lease ran out re-queued", requeued)
+
+    async def _sleep_s(self) -> float:
         if len(self._in_flight) >= self._max_in_flight:
             return self._idle_poll_s  # a finishing item wakes the loop
-        retry_at = self._store.next_retry_at()
+        retry_at = await self._store.next_retry_at()
         if retry_at is None:
             return self._idle_poll_s
         return min(self._idle_poll_s, max(0.0, retry_at - self._wall_time()))
 
-    def _fill(self) -> None:
+    async def _fill(self) -> None:
         while len(self._in_flight) < self._max_in_flight:
-            work = self._store.work_by_tenant()
+            work = await self._store.work_by_tenant()
             if not work:
                 return
             claimed = False
@@ -156,7 +187,11 @@ class JobRunner:
             for tenant in tenants[start:] + tenants[:start]:
                 if len(self._in_flight) >= self._max_in_flight:
                     break
-                item = next(filter(None, map(self._store.claim, work[tenant])), None)
+                item = None
+                for job_id in work[tenant]:
+                    item = await self._store.claim(job_id)
+                    if item is not None:
+                        break
                 if item is None:
                     continue
                 claimed = True
@@ -170,10 +205,16 @@ class JobRunner:
 
     async def _run_item(self, item: ClaimedItem) -> None:
         finished: Job | None = None
+        task = asyncio.current_task()
         try:
             finished = await self._attempt(item)
+        except Unavailable as error:
+            # The store did not take the outcome: the item keeps its lease until it runs
+            # out, then runs again (here or on another gateway).
+            log.warning("batch item %s of %s: %s", item.custom_id, item.job_id, error.message)
         finally:
-            self._in_flight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._in_flight.pop(task, None)  # type: ignore[arg-type]
+            self._revoked.discard(task)
             self._wake.set()
         if finished is not None:
             log.info("batch %s %s: %s", finished.id, finished.status.value, finished.counts)
@@ -187,29 +228,31 @@ class JobRunner:
                 raise PermissionDenied(f"tenant {item.tenant!r} no longer exists")
             result = await self._executor.execute(tenant, item.kind, item.payload, self._klass)
         except asyncio.CancelledError:
-            if self._store.job_status(item.job_id) is JobStatus.CANCELLING:
-                return self._store.abandon(item)
+            if await self._store.job_status(item.job_id) is JobStatus.CANCELLING:
+                return await self._store.abandon(item)
+            if asyncio.current_task() in self._revoked:
+                return None  # another gateway took the item over
             raise  # shutdown: the item stays running and is re-run after restart
         except GatewayError as error:
-            return self._after_error(item, error)
+            return await self._after_error(item, error)
         except Exception:
             log.exception("batch item %s of %s failed unexpectedly", item.custom_id, item.job_id)
-            return self._after_error(item, Internal("internal error"))
-        return self._store.succeed(item, result)
+            return await self._after_error(item, Internal("internal error"))
+        return await self._store.succeed(item, result)
 
-    def _after_error(self, item: ClaimedItem, error: GatewayError) -> Job | None:
+    async def _after_error(self, item: ClaimedItem, error: GatewayError) -> Job | None:
         if isinstance(error, QuotaExceeded):
             # The tenant's own limits (its interactive traffic, its daily budget) hold the
             # job back: wait as told, for as long as it takes, without using up attempts.
-            return self._store.retry_later(
+            return await self._store.retry_later(
                 item, self._wall_time() + error.retry_after_s, count_attempt=False
             )
         transient = isinstance(error, TRANSIENT_ERRORS)
         if transient and item.attempt < self._retry.max_attempts:
             hint = getattr(error, "retry_after_s", None)
             delay = self._retry.delay_s(item.attempt, hint)
-            return self._store.retry_later(item, self._wall_time() + delay)
-        return self._store.fail(item, ItemError(type(error).__name__, error.message))
+            return await self._store.retry_later(item, self._wall_time() + delay)
+        return await self._store.fail(item, ItemError(type(error).__name__, error.message))
 
     def _send_callback(self, job: Job) -> None:
         if self._callbacks is None or job.id in self._callback_tasks:
@@ -219,7 +262,9 @@ class JobRunner:
         async def deliver() -> None:
             try:
                 if await sender.send(job):
-                    self._store.callback_made(job.id)
+                    await self._store.callback_made(job.id)
+            except Unavailable as error:
+                log.warning("batch %s callback not recorded: %s", job.id, error.message)
             finally:
                 del self._callback_tasks[job.id]
 

@@ -202,7 +202,7 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         if header.callback_url:
             self._callbacks.check(header.callback_url)
         limits = job_limits(self._config, tenant.name)
-        job_id = self._store.begin_job(
+        job_id = await self._store.begin_job(
             tenant.name,
             model=header.model,
             description=header.description,
@@ -222,18 +222,18 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
                         new_item(index, item, header, tenant, self._directory.require_model)
                     )
                     index += 1
-                self._store.add_items(job_id, items, limits=limits)
-            return self._store.seal_job(job_id)
+                await self._store.add_items(job_id, items, limits=limits)
+            return await self._store.seal_job(job_id)
         except BaseException:
             # Including the caller going away mid-upload: nothing of it is queued.
-            self._store.discard_job(job_id)
+            await self._store.discard_job(job_id)
             raise
 
     async def GetBatch(
         self, request: batch_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
     ) -> batch_pb2.GetBatchResponse:
         try:
-            job = self._store.get_job(self._tenant(context).name, request.batch_id)
+            job = await self._store.get_job(self._tenant(context).name, request.batch_id)
         except errors.GatewayError as e:
             await status.abort(context, e)
         return batch_pb2.GetBatchResponse(batch=batch_message(job))
@@ -244,7 +244,7 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         try:
             # One more than asked tells whether another page exists.
-            jobs = self._store.list_jobs(
+            jobs = await self._store.list_jobs(
                 self._tenant(context).name, limit=size + 1, after_id=request.page_token or None
             )
         except errors.GatewayError as e:
@@ -259,7 +259,7 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         self, request: batch_pb2.CancelBatchRequest, context: grpc.aio.ServicerContext
     ) -> batch_pb2.CancelBatchResponse:
         try:
-            job = self._runner.cancel(self._tenant(context).name, request.batch_id)
+            job = await self._runner.cancel(self._tenant(context).name, request.batch_id)
         except errors.GatewayError as e:
             await status.abort(context, e)
         return batch_pb2.CancelBatchResponse(batch=batch_message(job))
@@ -273,8 +273,8 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
             while True:
                 # Read the status first: results recorded before a job finished are all
                 # visible once it reads as finished, so the last read misses none.
-                finished = self._store.get_job(tenant, request.batch_id).status.finished
-                results = self._store.results(
+                finished = (await self._store.get_job(tenant, request.batch_id)).status.finished
+                results = await self._store.results(
                     tenant, request.batch_id, offset=offset, limit=RESULTS_PAGE
                 )
                 for result in results:

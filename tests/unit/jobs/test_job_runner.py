@@ -1,6 +1,7 @@
 """JobRunner with an in-process fake executor: bounded dispatch, retries of transient
 errors, permanent failures recorded, cancel stopping in-flight items, restart re-running
-what was in flight, callbacks made once."""
+what was in flight, callbacks made once; two runners on one store: a cancel on one stops
+the other's items, and a stopped runner's items are taken over after their lease."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from qosgate.auth import Tenant
 from qosgate.errors import InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.jobs.model import ItemKind, Job, JobLimits, JobStatus, NewItem
 from qosgate.jobs.runner import JobRunner, RetryPolicy
+from qosgate.jobs.postgres_store import PostgresJobStore
+from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
 
 from tests.fakes import make_tenant
+from tests.postgres_server import PostgresServer
 
 LIMITS = JobLimits(max_queued_items=1000, retention_s=3600.0)
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.02)
@@ -70,18 +74,18 @@ class RecordingCallbacks:
         return True
 
 
-def submit(
+async def submit(
     store: JobStore, payloads: list[bytes], callback_url: str = "", tenant: str = "a"
 ) -> str:
-    job_id = store.begin_job(
+    job_id = await store.begin_job(
         tenant, model="m", description="", callback_url=callback_url, limits=LIMITS
     )
-    store.add_items(
+    await store.add_items(
         job_id,
         [NewItem(f"id{n}", ItemKind.GENERATE, p) for n, p in enumerate(payloads)],
         limits=LIMITS,
     )
-    store.seal_job(job_id)
+    await store.seal_job(job_id)
     return job_id
 
 
@@ -98,17 +102,17 @@ async def running(runner: JobRunner) -> AsyncIterator[asyncio.Task[None]]:
 async def until_finished(store: JobStore, job_id: str, timeout_s: float = 10.0) -> Job:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        job = store.get_job("a", job_id)
+        job = await store.get_job("a", job_id)
         if job.status.finished:
             return job
         await asyncio.sleep(0.01)
-    raise AssertionError(f"job not finished: {store.get_job('a', job_id)}")
+    raise AssertionError(f"job not finished: {await store.get_job('a', job_id)}")
 
 
 def make(
-    tmp_path: Path, executor: ScriptedExecutor, **kwargs: object
+    tmp_path: Path, executor: ScriptedExecutor, *, lease_s: float = 30.0, owner: str = "gw", **kwargs: object
 ) -> tuple[JobStore, JobRunner]:
-    store = JobStore(tmp_path / "jobs.db", wall_time=time.time)
+    store = SqliteJobStore(tmp_path / "jobs.db", wall_time=time.time, lease_s=lease_s, owner=owner)
     runner = JobRunner(
         store,
         executor,
@@ -124,14 +128,14 @@ def make(
 async def test_items_run_at_batch_class_within_the_in_flight_bound(tmp_path: Path) -> None:
     executor = ScriptedExecutor(delay_s=0.01)
     store, runner = make(tmp_path, executor, max_in_flight=3)
-    job_id = submit(store, [f"p{n}".encode() for n in range(20)])
+    job_id = await submit(store, [f"p{n}".encode() for n in range(20)])
     async with running(runner):
         runner.notify()
         job = await until_finished(store, job_id)
     assert job.status is JobStatus.COMPLETED and job.counts.succeeded == 20
     assert executor.max_in_flight == 3
     assert {klass for _, klass in executor.calls} == {"batch"}
-    results = store.results("a", job_id, offset=0, limit=100)
+    results = await store.results("a", job_id, offset=0, limit=100)
     assert sorted(r.custom_id for r in results) == sorted(f"id{n}" for n in range(20))
     assert {r.payload for r in results} == {f"P{n}".encode() for n in range(20)}
 
@@ -140,23 +144,23 @@ async def test_tenants_take_turns_whatever_their_jobs(tmp_path: Path) -> None:
     executor = ScriptedExecutor(delay_s=0.005)
     store, runner = make(tmp_path, executor, max_in_flight=2)
     # Tenant a queued three jobs first; b's one job must not get only a quarter of turns.
-    bigs = [submit(store, [f"a{j}{n}".encode() for n in range(10)], tenant="a") for j in range(3)]
-    small = submit(store, [f"b{n}".encode() for n in range(5)], tenant="b")
+    bigs = [await submit(store, [f"a{j}{n}".encode() for n in range(10)], tenant="a") for j in range(3)]
+    small = await submit(store, [f"b{n}".encode() for n in range(5)], tenant="b")
     async with running(runner):
         for job_id in bigs:
             await until_finished(store, job_id)
     order = [payload.decode()[0] for payload, _ in executor.calls]
     assert order[:10].count("b") == 5, order
-    assert store.get_job("b", small).status is JobStatus.COMPLETED
+    assert (await store.get_job("b", small)).status is JobStatus.COMPLETED
 
 
 async def test_transient_errors_retry_and_permanent_ones_are_recorded(tmp_path: Path) -> None:
     executor = ScriptedExecutor()
     store, runner = make(tmp_path, executor)
-    job_id = submit(store, [b"flaky", b"bad", b"down", b"quota"])
+    job_id = await submit(store, [b"flaky", b"bad", b"down", b"quota"])
     async with running(runner):
         job = await until_finished(store, job_id)
-    by_id = {r.custom_id: r for r in store.results("a", job_id, offset=0, limit=10)}
+    by_id = {r.custom_id: r for r in await store.results("a", job_id, offset=0, limit=10)}
     assert by_id["id0"].payload == b"FLAKY" and by_id["id0"].attempts == 3
     assert by_id["id1"].error is not None and by_id["id1"].error.kind == "InvalidArgument"
     assert by_id["id1"].attempts == 1  # permanent: not retried
@@ -169,22 +173,22 @@ async def test_quota_refusals_wait_without_using_attempts(tmp_path: Path) -> Non
     executor = ScriptedExecutor()
     executor.refusals_left[b"quota"] = 10  # more refusals than max_attempts
     store, runner = make(tmp_path, executor)
-    job_id = submit(store, [b"quota"])
+    job_id = await submit(store, [b"quota"])
     async with running(runner):
         await until_finished(store, job_id)
-    (result,) = store.results("a", job_id, offset=0, limit=10)
+    (result,) = await store.results("a", job_id, offset=0, limit=10)
     assert result.payload == b"QUOTA" and result.attempts == 1
 
 
 async def test_cancel_stops_in_flight_items_quickly(tmp_path: Path) -> None:
     executor = ScriptedExecutor(delay_s=30.0)
     store, runner = make(tmp_path, executor, max_in_flight=2)
-    job_id = submit(store, [f"p{n}".encode() for n in range(10)])
+    job_id = await submit(store, [f"p{n}".encode() for n in range(10)])
     async with running(runner):
         while executor.in_flight < 2:
             await asyncio.sleep(0.01)
         started = time.monotonic()
-        runner.cancel("a", job_id)
+        await runner.cancel("a", job_id)
         job = await until_finished(store, job_id, timeout_s=1.0)
         assert time.monotonic() - started < 1.0
     assert job.status is JobStatus.CANCELLED and job.counts.cancelled == 10
@@ -194,31 +198,31 @@ async def test_cancel_stops_in_flight_items_quickly(tmp_path: Path) -> None:
 async def test_restart_reruns_items_that_were_in_flight(tmp_path: Path) -> None:
     slow = ScriptedExecutor(delay_s=30.0)
     store, runner = make(tmp_path, slow, max_in_flight=2)
-    job_id = submit(store, [f"p{n}".encode() for n in range(4)])
+    job_id = await submit(store, [f"p{n}".encode() for n in range(4)])
     async with running(runner):
         while slow.in_flight < 2:
             await asyncio.sleep(0.01)
     # Shutdown mid-item behaves like a crash: the two items stay running in the store.
-    assert store.get_job("a", job_id).counts.running == 2
+    assert (await store.get_job("a", job_id)).counts.running == 2
     fast = ScriptedExecutor()
     store2, runner2 = make(tmp_path, fast)
     async with running(runner2):
         job = await until_finished(store2, job_id)
     assert job.counts.succeeded == 4
-    results = store2.results("a", job_id, offset=0, limit=10)
+    results = await store2.results("a", job_id, offset=0, limit=10)
     assert sorted(r.custom_id for r in results) == ["id0", "id1", "id2", "id3"]
 
 
 async def test_callback_is_made_once_when_the_job_ends(tmp_path: Path) -> None:
     callbacks = RecordingCallbacks()
     store, runner = make(tmp_path, ScriptedExecutor(), callbacks=callbacks)
-    job_id = submit(store, [b"x"], callback_url="http://hooks.local/done")
+    job_id = await submit(store, [b"x"], callback_url="http://hooks.local/done")
     async with running(runner):
         await until_finished(store, job_id)
         while not callbacks.sent:
             await asyncio.sleep(0.01)
     assert [j.id for j in callbacks.sent] == [job_id]
-    assert store.callbacks_due() == []
+    assert await store.callbacks_due() == []
 
 
 async def test_failed_callback_is_retried_at_housekeeping(tmp_path: Path) -> None:
@@ -226,9 +230,68 @@ async def test_failed_callback_is_retried_at_housekeeping(tmp_path: Path) -> Non
     store, runner = make(
         tmp_path, ScriptedExecutor(), callbacks=callbacks, housekeeping_interval_s=0.05
     )
-    job_id = submit(store, [b"x"], callback_url="http://hooks.local/done")
+    job_id = await submit(store, [b"x"], callback_url="http://hooks.local/done")
     async with running(runner):
         await until_finished(store, job_id)
-        while store.callbacks_due():
+        while await store.callbacks_due():
             await asyncio.sleep(0.01)
     assert [j.id for j in callbacks.sent] == [job_id, job_id]
+
+
+async def test_a_cancel_on_another_gateway_stops_this_ones_items(tmp_path: Path) -> None:
+    slow = ScriptedExecutor(delay_s=30.0)
+    store, runner = make(tmp_path, slow, max_in_flight=2, lease_renew_interval_s=0.05)
+    other = SqliteJobStore(tmp_path / "jobs.db", wall_time=time.time, owner="gw-other")
+    job_id = await submit(store, [f"p{n}".encode() for n in range(10)])
+    async with running(runner):
+        while slow.in_flight < 2:
+            await asyncio.sleep(0.01)
+        await other.cancel_job("a", job_id)
+        # The runner learns of it when it renews its leases, not from a call of its own.
+        job = await until_finished(store, job_id, timeout_s=5.0)
+    assert job.status is JobStatus.CANCELLED and job.counts.cancelled == 10
+    assert len(slow.calls) == 2
+    await other.close()
+
+
+async def test_a_stopped_gateways_items_are_finished_by_another_after_the_lease(
+    postgres: PostgresServer,
+) -> None:
+    url = postgres.database()
+    lease_s = 0.5
+
+    def gateway(owner: str, executor: ScriptedExecutor, **kwargs: object) -> tuple[JobStore, JobRunner]:
+        store = PostgresJobStore(url, wall_time=time.time, lease_s=lease_s, owner=owner)
+        runner = JobRunner(
+            store,
+            executor,
+            TENANTS.get,
+            wall_time=time.time,
+            retry=FAST_RETRY,
+            idle_poll_s=0.05,
+            lease_renew_interval_s=lease_s / 5,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return store, runner
+
+    stuck = ScriptedExecutor(delay_s=30.0)
+    dead_store, dead = gateway("gw-dead", stuck, max_in_flight=2)
+    fast = ScriptedExecutor()
+    store, alive = gateway("gw-alive", fast)
+    await dead_store.open()
+    await store.open()
+    job_id = await submit(store, [f"p{n}".encode() for n in range(6)])
+    async with running(dead):
+        while stuck.in_flight < 2:
+            await asyncio.sleep(0.01)
+    # gw-dead stopped mid-item, as in a kill -9: its two items keep leases nobody renews.
+    async with running(alive):
+        job = await until_finished(store, job_id)
+    assert job.status is JobStatus.COMPLETED and job.counts.succeeded == 6
+    results = await store.results("a", job_id, offset=0, limit=10)
+    assert sorted(r.custom_id for r in results) == [f"id{n}" for n in range(6)]
+    taken_over = {payload.decode() for payload, _ in stuck.calls}
+    assert len(taken_over) == 2
+    assert all(r.attempts >= 2 for r in results if r.payload.decode().lower() in taken_over)
+    await dead_store.close()
+    await store.close()
