@@ -15,7 +15,7 @@ PERF_ANALYZER := .cache/tools/perf_analyzer
 # Debian packages, installed by scripts/system_deps.sh when missing (as root), or named in
 # one command to run (otherwise). Running needs none; perf_analyzer's own (libb64) is
 # installed by its target below.
-TEST_SYSTEM_DEPS := redis-server
+TEST_SYSTEM_DEPS := redis-server postgresql
 BENCH_SYSTEM_DEPS := nginx-light
 
 .PHONY: setup venv protos models tools node-deps system-deps-test system-deps-bench lint-protos typecheck run test test-unit bench bench-quick clean
@@ -82,7 +82,7 @@ run: setup
 test: setup system-deps-test tools node-deps lint-protos typecheck
 	$(PY) -m pytest -q
 
-test-unit: venv protos
+test-unit: venv protos system-deps-test
 	$(PY) -m pytest -q tests/unit
 
 BENCH_DEPS := $(VENV)/.bench-installed
