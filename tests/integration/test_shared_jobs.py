@@ -1,0 +1,176 @@
+"""Batch jobs shared by two gateways: two `qosgate serve` processes on one real PostgreSQL
+job store, in front of one real tritonserver (embedding items on minilm, fast here).
+
+A job created on one gateway is read, listed, streamed and cancelled on the other; a
+gateway killed with SIGKILL while it runs a job's items leaves them to the other, which
+finishes the job with exactly one result per custom_id once their leases have run out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import free_port, require_model
+from gateway_harness import GatewayProcess
+from qosgate.launcher import LocalTriton
+from qosgate.v1 import batch_pb2, embedding_pb2
+from qosgate_client import Client, ClientError
+
+from tests.postgres_server import PostgresServer
+
+pytestmark = pytest.mark.integration
+
+ACME_KEY = "shared-jobs-acme-key"
+GLOBEX_KEY = "shared-jobs-globex-key"
+LEASE_S = 3.0
+FINISHED = (batch_pb2.BATCH_STATUS_COMPLETED, batch_pb2.BATCH_STATUS_CANCELLED)
+
+
+def gateway_config(directory: Path, triton: LocalTriton, store_url: str) -> dict[str, Any]:
+    directory.mkdir()
+    return {
+        "listen": f"127.0.0.1:{free_port()}",
+        "metrics_listen": "127.0.0.1:0",
+        "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
+        "usage_db": str(directory / "usage.sqlite3"),
+        "tenants": [
+            {"name": "acme", "api_keys": [{"key": ACME_KEY}]},
+            {"name": "globex", "api_keys": [{"key": GLOBEX_KEY}]},
+        ],
+        "batch": {"max_in_flight": 4, "retry_base_delay_s": 0.2},
+        "job_store": {"backend": "postgres", "postgres_url": store_url, "lease_s": LEASE_S},
+    }
+
+
+@pytest.fixture
+def store_url(postgres: PostgresServer) -> str:
+    return postgres.database()
+
+
+@pytest.fixture
+def gateways(
+    triton: LocalTriton, store_url: str, tmp_path: Path
+) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
+    require_model("minilm")
+    with contextlib.ExitStack() as stack:
+        one, other = (
+            stack.enter_context(
+                GatewayProcess.running(gateway_config(tmp_path / name, triton, store_url), tmp_path / name)
+            )
+            for name in ("a", "b")
+        )
+        yield one, other
+
+
+def embed_items(count: int) -> list[batch_pb2.BatchItem]:
+    return [
+        batch_pb2.BatchItem(
+            custom_id=f"doc-{n}",
+            embed=embedding_pb2.EmbedRequest(inputs=[f"document number {n} about batch inference"]),
+        )
+        for n in range(count)
+    ]
+
+
+def submit(client: Client, count: int) -> batch_pb2.Batch:
+    return client.create_batch(batch_pb2.BatchHeader(model="minilm"), embed_items(count))
+
+
+def wait_finished(client: Client, batch_id: str, timeout_s: float = 120.0) -> batch_pb2.Batch:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.get_batch(batch_id)
+        if batch.status in FINISHED:
+            return batch
+        time.sleep(0.1)
+    raise TimeoutError(f"batch {batch_id} not finished: {client.get_batch(batch_id)}")
+
+
+def test_a_job_created_on_one_gateway_is_read_streamed_and_cancelled_on_the_other(
+    gateways: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    one, other = gateways
+    with (
+        Client(one.target, ACME_KEY) as on_one,
+        Client(other.target, ACME_KEY) as on_other,
+        Client(other.target, GLOBEX_KEY) as globex,
+    ):
+        created = submit(on_one, 400)
+        seen = on_other.get_batch(created.id)
+        assert (seen.id, seen.counts.total, seen.model) == (created.id, 400, "minilm")
+        assert [b.id for b in on_other.list_batches().batches] == [created.id]
+        with pytest.raises(ClientError) as hidden:
+            globex.get_batch(created.id)
+        assert hidden.value.code == "NOT_FOUND"
+        # Follow the results on the other gateway while both gateways run the items.
+        streamed = []
+        for result in on_other.batch_results(created.id, follow=True):
+            streamed.append(result)
+            if len(streamed) == 20:
+                break
+        assert [r.offset for r in streamed] == list(range(20))
+        assert all(len(r.embedding.embeddings[0].values) == 384 for r in streamed)
+        cancelled = on_other.cancel_batch(created.id)
+        assert cancelled.status in (
+            batch_pb2.BATCH_STATUS_CANCELLING,
+            batch_pb2.BATCH_STATUS_CANCELLED,
+        )
+        # The first gateway stops its items at its next lease renewal.
+        final = wait_finished(on_one, created.id, timeout_s=LEASE_S * 5)
+        time.sleep(LEASE_S / 2)
+        later = on_one.get_batch(created.id)
+        results = list(on_one.batch_results(created.id))
+    assert final.status == batch_pb2.BATCH_STATUS_CANCELLED
+    assert later.counts == final.counts  # nothing ran after the job was cancelled
+    done = final.counts.succeeded + final.counts.failed
+    assert final.counts.failed == 0 and final.counts.cancelled == 400 - done > 0
+    assert [r.offset for r in results] == list(range(done))
+    assert len({r.custom_id for r in results}) == done
+    assert [r.custom_id for r in results[:20]] == [r.custom_id for r in streamed]
+
+
+def leased_to(store_url: str, batch_id: str, pid: int) -> list[str]:
+    """custom_ids of the job's items running under a lease of the gateway process `pid`
+    (lease tokens start with the holder's host:pid)."""
+    with psycopg.connect(store_url) as conn:
+        rows = conn.execute(
+            "SELECT custom_id FROM batch_items WHERE job_id = %s AND state = 'running'"
+            " AND lease_token LIKE %s",
+            (batch_id, f"%:{pid}/%"),
+        ).fetchall()
+    return [custom_id for (custom_id,) in rows]
+
+
+def test_kill_9_of_a_gateway_running_items_leaves_the_job_to_the_other(
+    gateways: tuple[GatewayProcess, GatewayProcess], store_url: str
+) -> None:
+    victim, survivor = gateways
+    total = 200
+    with Client(survivor.target, ACME_KEY) as client:
+        batch = submit(client, total)
+        assert victim.proc is not None
+        pid = victim.proc.pid
+        deadline = time.monotonic() + 60
+        while not leased_to(store_url, batch.id, pid):
+            assert time.monotonic() < deadline, "the victim never ran an item of the job"
+            time.sleep(0.05)
+        victim.kill()
+        # What the dead gateway held when it died: nobody renews these leases now.
+        orphaned = leased_to(store_url, batch.id, pid)
+        finished = wait_finished(client, batch.id)
+        results = list(client.batch_results(batch.id))
+    print(f"\nkill -9: {len(orphaned)} item(s) held by the dead gateway, taken over after the lease")
+    assert finished.status == batch_pb2.BATCH_STATUS_COMPLETED
+    assert finished.counts.succeeded == total, finished.counts
+    ids = [r.custom_id for r in results]
+    assert len(ids) == len(set(ids)) == total
+    assert set(ids) == {f"doc-{n}" for n in range(total)}
+    assert orphaned, "the victim held no item when it was killed"
+    attempts = {r.custom_id: r.attempts for r in results}
+    assert all(attempts[custom_id] >= 2 for custom_id in orphaned), attempts
