@@ -109,11 +109,8 @@ async def until_finished(store: JobStore, job_id: str, timeout_s: float = 10.0) 
     raise AssertionError(f"job not finished: {await store.get_job('a', job_id)}")
 
 
-def make(
-    tmp_path: Path, executor: ScriptedExecutor, *, lease_s: float = 30.0, owner: str = "gw", **kwargs: object
-) -> tuple[JobStore, JobRunner]:
-    store = SqliteJobStore(tmp_path / "jobs.db", wall_time=time.time, lease_s=lease_s, owner=owner)
-    runner = JobRunner(
+def runner_on(store: JobStore, executor: ScriptedExecutor, **kwargs: object) -> JobRunner:
+    return JobRunner(
         store,
         executor,
         TENANTS.get,
@@ -122,7 +119,11 @@ def make(
         idle_poll_s=0.05,
         **kwargs,  # type: ignore[arg-type]
     )
-    return store, runner
+
+
+def make(tmp_path: Path, executor: ScriptedExecutor, **kwargs: object) -> tuple[JobStore, JobRunner]:
+    store = SqliteJobStore(tmp_path / "jobs.db", wall_time=time.time)
+    return store, runner_on(store, executor, **kwargs)
 
 
 async def test_items_run_at_batch_class_within_the_in_flight_bound(tmp_path: Path) -> None:
@@ -262,17 +263,7 @@ async def test_a_stopped_gateways_items_are_finished_by_another_after_the_lease(
 
     def gateway(owner: str, executor: ScriptedExecutor, **kwargs: object) -> tuple[JobStore, JobRunner]:
         store = PostgresJobStore(url, wall_time=time.time, lease_s=lease_s, owner=owner)
-        runner = JobRunner(
-            store,
-            executor,
-            TENANTS.get,
-            wall_time=time.time,
-            retry=FAST_RETRY,
-            idle_poll_s=0.05,
-            lease_renew_interval_s=lease_s / 5,
-            **kwargs,  # type: ignore[arg-type]
-        )
-        return store, runner
+        return store, runner_on(store, executor, lease_renew_interval_s=lease_s / 5, **kwargs)
 
     stuck = ScriptedExecutor(delay_s=30.0)
     dead_store, dead = gateway("gw-dead", stuck, max_in_flight=2)
