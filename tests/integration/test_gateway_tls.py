@@ -11,6 +11,7 @@ a stranger's by nothing. A rogue CA stands for everything the gateway must not t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -190,6 +191,26 @@ def test_mtls_refuses_clients_without_a_certificate_from_its_ca(mtls_gateway: Ga
     # A certificate with acme's SAN from a CA the gateway does not trust.
     with tritonclient(mtls_gateway.url, pki.ca.cert, pki.rogue_acme) as client:
         assert refused(client).status() == "StatusCode.UNAVAILABLE"
+
+
+def test_no_key_material_reaches_the_log(
+    triton: LocalTriton, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    require_model("identity")
+    caplog.set_level(logging.DEBUG)
+    tls = {"cert": str(pki.server.cert), "key": str(pki.server.key), "client_ca": str(pki.ca.cert)}
+    with GatewayThread(gateway_config(triton.ports.grpc_url, tls=tls, tenants=tenants(pki))) as gateway:
+        with tritonclient(gateway.url, pki.ca.cert, pki.acme) as client:
+            infer_identity(client)
+            refused(client, bearer("s3cret-wrong-key"))
+            refused(client, bearer(GLOBEX_KEY))
+        with tritonclient(gateway.url, pki.ca.cert) as client:
+            refused(client, bearer(ACME_KEY))
+    assert f"(port {gateway.gateway.port}, mutual TLS)" in caplog.text
+    secrets = [ACME_KEY, GLOBEX_KEY, "s3cret"]
+    for issued in (pki.server, pki.acme):
+        secrets += [line for line in issued.key.read_text().splitlines() if "PRIVATE KEY" not in line]
+    assert [s for s in secrets if s in caplog.text] == []
 
 
 # -- the Python client and CLI -----------------------------------------------------------
