@@ -1,0 +1,114 @@
+"""gRPC's length-prefixed messages (1 byte compressed flag, 4 bytes big-endian length).
+
+The relay never buffers a call's messages, except the first one of a call that a policy
+reads: `MessageScanner` follows the prefixes through DATA chunks to count messages and
+enforce the size bound without copying, and `FirstMessage` collects exactly one message.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+PREFIX = 5
+
+
+class MessageTooLarge(Exception):
+    """A message's declared length is over the relay's bound."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"gRPC message of {length} bytes is over the limit of {limit}")
+
+
+class UnsupportedEncoding(Exception):
+    """A compressed message in an encoding the relay cannot read."""
+
+
+class MessageScanner:
+    """Counts the messages in a byte stream and bounds their size, holding no payload."""
+
+    __slots__ = ("count", "_left", "_header", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self.count = 0
+        self._left = 0  # payload bytes of the current message still to come
+        self._header = b""  # a prefix split across chunks
+        self._limit = limit
+
+    def scan(self, data: bytes | memoryview) -> None:
+        pos, size = 0, len(data)
+        while pos < size:
+            if self._left:
+                step = min(self._left, size - pos)
+                self._left -= step
+                pos += step
+                continue
+            need = PREFIX - len(self._header)
+            self._header += bytes(data[pos : pos + need])
+            pos += need
+            if len(self._header) < PREFIX:
+                return
+            length = int.from_bytes(self._header[1:PREFIX], "big")
+            self._header = b""
+            if length > self._limit:
+                raise MessageTooLarge(length, self._limit)
+            self.count += 1
+            self._left = length
+
+
+class FirstMessage:
+    """Collects a call's first message from DATA chunks (bounded by the size limit)."""
+
+    __slots__ = ("_buf", "_limit", "compressed", "payload", "rest")
+
+    def __init__(self, limit: int) -> None:
+        self._buf = bytearray()
+        self._limit = limit
+        self.compressed = False
+        self.payload: bytes | None = None  # set once the whole message is in
+        self.rest = b""  # bytes after it in the same chunk (the next messages)
+
+    def add(self, data: bytes) -> bool:
+        """Add a chunk; True once the message is complete."""
+        self._buf += data
+        if len(self._buf) < PREFIX:
+            return False
+        length = int.from_bytes(self._buf[1:PREFIX], "big")
+        if length > self._limit:
+            raise MessageTooLarge(length, self._limit)
+        end = PREFIX + length
+        if len(self._buf) < end:
+            return False
+        self.compressed = self._buf[0] == 1
+        self.payload = bytes(self._buf[PREFIX:end])
+        self.rest = bytes(self._buf[end:])
+        self._buf = bytearray()
+        return True
+
+    @property
+    def held(self) -> int:
+        """Bytes collected and not yet complete."""
+        return len(self._buf)
+
+
+def frame(payload: bytes, *, compressed: bool = False) -> bytes:
+    """One length-prefixed message."""
+    return (b"\x01" if compressed else b"\x00") + len(payload).to_bytes(4, "big") + payload
+
+
+# zlib's wbits for each grpc-encoding the relay can read.
+_WBITS = {b"gzip": 31, b"deflate": 15}
+
+
+def decompress(encoding: bytes, payload: bytes, limit: int) -> bytes:
+    """A compressed message's bytes, refusing any that inflate beyond `limit`."""
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise UnsupportedEncoding(f"cannot read grpc-encoding {encoding.decode(errors='replace')!r}")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(payload, limit + 1)
+    except zlib.error as e:
+        raise UnsupportedEncoding(f"corrupt {encoding.decode()} message: {e}") from None
+    if len(out) > limit:
+        raise MessageTooLarge(len(out), limit)
+    return out

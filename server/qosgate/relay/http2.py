@@ -1,0 +1,133 @@
+"""The one module that touches `ngh2` (libnghttp2, sans-I/O): a young dependency, pinned.
+
+Everything the relay needs from an HTTP/2 stack goes through here, so an upgrade or a
+replacement (another binding, `h2`) changes this file alone. What we rely on, and what the
+relay's tests check through real peers:
+
+- `auto_window_update=False`: the relay acknowledges a stream's received DATA only once it
+  has handed those bytes on (`acknowledge`), which is what makes flow control end to end.
+- `send_data` beyond the peer's window queues inside the session; `queued(stream)` reports
+  what is still waiting, so the relay knows how much it may acknowledge upstream.
+- A stream that closes with unacknowledged DATA keeps that amount charged against the
+  CONNECTION window until it is acknowledged: `acknowledge` on the closed stream's id
+  still works and returns it (checked against ngh2 0.3.0), so closing calls release it.
+- `queued_body_size` of a closed stream is 0 and `reset_stream` of one is a no-op, but
+  `send_data`/`end_stream`/`send_trailers` raise StreamProtocolError ("stream has no open
+  body") once the peer reset it: the relay checks its own view of the stream first.
+- The connection window is a separate setting (`set_local_window_size`, stream 0) from
+  SETTINGS_INITIAL_WINDOW_SIZE, which only covers streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import ngh2
+from ngh2 import (
+    ConnectionClosed,
+    DataReceived,
+    ErrorCode,
+    Event,
+    GoAwayReceived,
+    RequestReceived,
+    ResponseReceived,
+    StreamClosed,
+    StreamReset,
+    TrailersReceived,
+    WindowUpdated,
+)
+
+__all__ = [
+    "ConnectionClosed",
+    "DataReceived",
+    "ErrorCode",
+    "Event",
+    "GoAwayReceived",
+    "Header",
+    "Http2Connection",
+    "ProtocolError",
+    "RequestReceived",
+    "ResponseReceived",
+    "StreamClosed",
+    "StreamReset",
+    "TrailersReceived",
+    "WindowUpdated",
+]
+
+Header = tuple[bytes, bytes]
+ProtocolError = ngh2.NGH2Error
+
+# Per-stream receive window: the most the relay holds for one stream in one direction
+# before the sender must wait for it to be passed on.
+STREAM_WINDOW = 1 << 20
+# Connection receive window: how much many streams together may have in flight.
+CONNECTION_WINDOW = 64 << 20
+MAX_FRAME_SIZE = 1 << 16
+
+
+class Http2Connection:
+    """One HTTP/2 connection's protocol state (either role), with manual flow control."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, *, server: bool, max_concurrent_streams: int) -> None:
+        role = ngh2.Role.SERVER if server else ngh2.Role.CLIENT
+        self._conn = ngh2.Connection(role, ngh2.Configuration(auto_window_update=False))
+        self._conn.initiate_connection(
+            {
+                ngh2.Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                ngh2.Setting.MAX_FRAME_SIZE: MAX_FRAME_SIZE,
+                ngh2.Setting.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+                ngh2.Setting.ENABLE_PUSH: 0,
+            }
+        )
+        self._conn.set_local_window_size(CONNECTION_WINDOW)
+
+    def feed(self, data: bytes) -> list[Event]:
+        """Bytes from the peer in, protocol events out (raises ProtocolError on garbage)."""
+        self._conn.receive_data(data)
+        return self._conn.events()
+
+    def pending_events(self) -> list[Event]:
+        return self._conn.events()
+
+    def outgoing(self) -> bytes:
+        return self._conn.data_to_send()
+
+    def send_request(self, headers: Iterable[Header], *, end_stream: bool = False) -> int:
+        return self._conn.send_request(headers, end_stream=end_stream)
+
+    def send_response(self, stream_id: int, headers: Iterable[Header], *, end_stream: bool = False) -> None:
+        self._conn.send_response(stream_id, headers, end_stream=end_stream)
+
+    def send_trailers(self, stream_id: int, headers: Iterable[Header]) -> None:
+        self._conn.send_trailers(stream_id, headers)
+
+    def send_data(self, stream_id: int, data: bytes | memoryview, *, end_stream: bool = False) -> None:
+        self._conn.send_data(stream_id, data, end_stream=end_stream)
+
+    def end_stream(self, stream_id: int) -> None:
+        self._conn.end_stream(stream_id)
+
+    def reset(self, stream_id: int, error_code: int) -> None:
+        """RST_STREAM; a no-op for a stream that is already closed."""
+        self._conn.reset_stream(stream_id, error_code)
+
+    def queued(self, stream_id: int) -> int:
+        """DATA bytes of the stream still waiting for the peer's window or the socket."""
+        return self._conn.queued_body_size(stream_id)
+
+    def acknowledge(self, stream_id: int, amount: int) -> None:
+        """Open the peer's windows by `amount` bytes of this stream that were passed on."""
+        self._conn.acknowledge_received_data(amount, stream_id)
+
+    def goaway(self) -> None:
+        self._conn.send_goaway()
+
+    @property
+    def wants_write(self) -> bool:
+        return self._conn.want_write
+
+    @property
+    def wants_read(self) -> bool:
+        return self._conn.want_read

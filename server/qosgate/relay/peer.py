@@ -1,0 +1,166 @@
+"""One HTTP/2 connection on an asyncio transport, and the flow of bytes between two of them.
+
+A relayed call joins a stream of the caller's connection to a stream of an upstream
+connection. Each direction is a `Pipe`: bytes received on the source stream are handed to
+the sink stream at once, and acknowledged to the source (opening its window) only when the
+sink has written them out. So the relay holds at most one stream window per direction of a
+call, and a reader that stops reading stops its own upstream stream, nothing else.
+
+Writes are batched: a connection with something to send is marked dirty, and `Flusher`
+writes every dirty connection once at the end of the callback that dirtied it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+from qosgate.relay import http2
+
+log = logging.getLogger(__name__)
+
+
+class Pipe:
+    """One direction of a call: source stream → sink stream, with unacknowledged bytes."""
+
+    __slots__ = ("source", "source_id", "sink", "sink_id", "unacked", "held")
+
+    def __init__(self, source: Peer, source_id: int) -> None:
+        self.source = source
+        self.source_id = source_id
+        self.sink: Peer | None = None
+        self.sink_id = 0
+        self.unacked = 0  # received from the source, not yet acknowledged to it
+        self.held = 0  # of those, bytes the relay keeps itself until the sink exists
+
+    def received(self, size: int) -> None:
+        self.unacked += size
+
+    def release(self, size: int) -> None:
+        """Acknowledge bytes the relay consumed itself (a first message it read)."""
+        if size:
+            self.unacked -= size
+            self.source.h2.acknowledge(self.source_id, size)
+            self.source.touch()
+
+    def drop(self) -> None:
+        """The call is over: nothing will be handed on, give the source its window back."""
+        self.held = 0
+        self.sink = None
+        self.release(self.unacked)
+
+    def settle(self) -> bool:
+        """Acknowledge what the sink wrote out; True while bytes are still outstanding."""
+        sink = self.sink
+        waiting = self.held + (sink.h2.queued(self.sink_id) if sink is not None else 0)
+        self.release(self.unacked - waiting)
+        return self.unacked > 0
+
+
+class Flusher:
+    """Writes every connection marked dirty, once, at the end of a callback."""
+
+    __slots__ = ("_dirty",)
+
+    def __init__(self) -> None:
+        self._dirty: list[Peer] = []
+
+    def mark(self, peer: Peer) -> None:
+        self._dirty.append(peer)
+
+    def flush(self) -> None:
+        dirty = self._dirty
+        while dirty:
+            peer = dirty.pop()
+            peer.dirty = False
+            peer.write_out()
+
+
+class Peer(asyncio.Protocol):
+    """An HTTP/2 connection (either role) on a transport; subclasses handle its events."""
+
+    def __init__(self, flusher: Flusher, *, server: bool, max_concurrent_streams: int) -> None:
+        self.h2 = http2.Http2Connection(server=server, max_concurrent_streams=max_concurrent_streams)
+        self.flusher = flusher
+        self.transport: asyncio.Transport | None = None
+        self.dirty = False
+        self.closed = False
+        self._paused = False
+        # Pipes whose sink is this connection and whose source still waits for acks.
+        self.draining: set[Pipe] = set()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.touch()
+        self.flusher.flush()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.feed(data)
+        except http2.ProtocolError as e:
+            log.info("closing an HTTP/2 connection after a protocol error: %s", e)
+            self.touch()
+            self.flusher.flush()
+            self.abort()
+            return
+        self.handle(events)
+        self.touch()
+        self.flusher.flush()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self.touch()
+        self.flusher.flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        self.lost()
+        self.flusher.flush()
+
+    # -- writing ------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        if not self.dirty and not self.closed:
+            self.dirty = True
+            self.flusher.mark(self)
+
+    def write_out(self) -> None:
+        """Send what the session has (unless the socket pushes back), then settle pipes."""
+        transport = self.transport
+        if transport is None:
+            return
+        if not self._paused:
+            data = self.h2.outgoing()
+            if data:
+                transport.write(data)
+            # Sending closes streams (END_STREAM, RST_STREAM): their events come out here.
+            events = self.h2.pending_events()
+            if events:
+                self.handle(events)
+        if self.draining:
+            for pipe in list(self.draining):
+                if not pipe.settle():
+                    self.draining.discard(pipe)
+        if not (self.h2.wants_read or self.h2.wants_write):
+            transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- for subclasses -------------------------------------------------------------------
+
+    def handle(self, events: list[http2.Event]) -> None:
+        raise NotImplementedError
+
+    def lost(self) -> None:
+        """The transport is gone: every stream on it ends now."""
+        raise NotImplementedError

@@ -1,0 +1,110 @@
+"""What the relay asks before it forwards a call, and what it is told.
+
+Per call the relay hands a `CallHead` (request headers and the first message, already
+decompressed) to a `CallPolicy`; the answer is `Forward` (with headers to set and bytes to
+append to the first message, and an `on_finish` callback for release and accounting) or
+`Refuse` (a gRPC status answered by the relay itself, no upstream call made). The policy
+may answer at once or return an awaitable (admission and scheduling wait).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Header = tuple[bytes, bytes]
+
+# gRPC status codes the relay itself produces.
+CANCELLED = 1
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+RESOURCE_EXHAUSTED = 8
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+
+
+@dataclass(slots=True)
+class CallHead:
+    """A call as the policy sees it before anything goes upstream."""
+
+    path: bytes
+    headers: Sequence[Header]
+    first_message: bytes  # uncompressed; empty when the caller sent no message
+    deadline: float | None  # event-loop time from grpc-timeout, None without one
+
+    def header(self, name: bytes) -> bytes | None:
+        """The last value of a header (lower-case name), as gRPC metadata merges them."""
+        found = None
+        for key, value in self.headers:
+            if key == name:
+                found = value
+        return found
+
+    @property
+    def method(self) -> str:
+        """The RPC's method name (`/pkg.Service/Method` → `Method`)."""
+        return self.path.rsplit(b"/", 1)[-1].decode("ascii", "replace")
+
+
+@dataclass(slots=True)
+class CallEnd:
+    """How a forwarded call ended, for release and accounting."""
+
+    status: int | None  # grpc-status; None when the stream was reset instead
+    reset_code: int | None  # the RST_STREAM code, when reset
+    requests: int  # messages the caller sent
+    responses: int  # messages the upstream answered
+
+
+@dataclass(slots=True)
+class Forward:
+    """Send the call upstream, changed as given."""
+
+    set_headers: Sequence[Header] = ()  # replace headers of the same name, or add
+    append: bytes = b""  # appended to the first message (protobuf merges it)
+    on_finish: Callable[[CallEnd], None] | None = None
+
+
+@dataclass(slots=True)
+class Refuse:
+    """Answer the call with this status, without an upstream call."""
+
+    status: int
+    message: str = ""
+    details: bytes = b""  # a serialized google.rpc.Status, sent as grpc-status-details-bin
+    extra: Sequence[Header] = field(default=())
+
+
+Decision = Forward | Refuse
+
+
+class CallPolicy(Protocol):
+    """Decides each relayed call from its headers and first message."""
+
+    def __call__(self, head: CallHead) -> Decision | Awaitable[Decision]: ...
+
+
+def status_headers(refusal: Refuse) -> list[Header]:
+    """The trailer fields that carry a status, encoded as gRPC requires."""
+    fields = [(b"grpc-status", str(refusal.status).encode())]
+    if refusal.message:
+        fields.append((b"grpc-message", percent_encode(refusal.message)))
+    if refusal.details:
+        fields.append((b"grpc-status-details-bin", base64.b64encode(refusal.details).rstrip(b"=")))
+    fields.extend(refusal.extra)
+    return fields
+
+
+def percent_encode(message: str) -> bytes:
+    """grpc-message's encoding: printable ASCII except '%' as is, every other byte %XX."""
+    out = bytearray()
+    for byte in message.encode("utf-8"):
+        if 0x20 <= byte <= 0x7E and byte != 0x25:
+            out.append(byte)
+        else:
+            out += b"%%%02X" % byte
+    return bytes(out)

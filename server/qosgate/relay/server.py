@@ -1,0 +1,492 @@
+"""The relay's front: gRPC calls from tenants' HTTP/2 connections, forwarded as frames.
+
+Each call is routed by `:path` prefix to an upstream pool. Calls on a route with a policy
+wait for their first message, ask the policy, and then either go upstream (headers set,
+bytes appended to that message) or get the policy's status from the relay itself. Calls on
+a route without a policy go upstream as soon as their headers arrive. After that the relay
+only moves frames: DATA both ways under end-to-end flow control (see peer.py), response
+headers and trailers as Triton wrote them, RST_STREAM both ways, the deadline from
+`grpc-timeout` enforced here as well as upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qosgate.relay import framing, http2
+from qosgate.relay.peer import Flusher, Peer, Pipe
+from qosgate.relay.policy import (
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    CallEnd,
+    CallHead,
+    CallPolicy,
+    Decision,
+    Forward,
+    Refuse,
+    status_headers,
+)
+from qosgate.relay.upstream import UpstreamConnection, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+_GRPC_TIMEOUT = b"grpc-timeout"
+_GRPC_ENCODING = b"grpc-encoding"
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_CANCEL = int(http2.ErrorCode.CANCEL)
+# Response messages are counted, not bounded: the upstream enforces its own limit.
+_UNBOUNDED = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Calls whose `:path` starts with `prefix` go to `pool`, asking `policy` first if set."""
+
+    prefix: bytes
+    pool: UpstreamPool
+    policy: CallPolicy | None = None
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """grpc-timeout (`<digits><unit>`, at most 8 digits) in seconds; None if malformed."""
+    scale = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if scale is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * scale
+
+
+def format_timeout(seconds: float) -> bytes:
+    """The grpc-timeout value for `seconds` left, in whole microseconds (at least 1)."""
+    return b"%du" % max(1, min(99_999_999, int(seconds * 1e6)))
+
+
+class Call:
+    """One relayed gRPC call: a caller's stream joined to an upstream stream."""
+
+    __slots__ = (
+        "down", "down_id", "up", "up_id", "headers", "route", "request", "response",
+        "first", "pending", "client_done", "responded", "finished", "on_finish",
+        "requests", "responses", "deadline", "timer", "decision_task",
+    )  # fmt: skip
+
+    def __init__(self, down: DownstreamConnection, stream_id: int, headers: Sequence[http2.Header]) -> None:
+        self.down = down
+        self.down_id = stream_id
+        self.up: UpstreamConnection | None = None
+        self.up_id = 0
+        self.headers = headers
+        self.route: Route | None = None
+        self.request = Pipe(down, stream_id)  # caller → upstream
+        self.response: Pipe | None = None  # upstream → caller, once upstream exists
+        self.first: framing.FirstMessage | None = None  # while a policy waits for it
+        self.pending: list[bytes] = []  # request bytes held until the upstream stream opens
+        self.client_done = False  # the caller sent END_STREAM
+        self.responded = False  # response headers went to the caller
+        self.finished = False
+        self.on_finish: Forward | None = None
+        self.requests = framing.MessageScanner(down.relay.max_message_size)
+        self.responses = framing.MessageScanner(_UNBOUNDED)
+        self.deadline: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.decision_task: asyncio.Future[Decision] | None = None
+
+    # -- from the caller ------------------------------------------------------------------
+
+    def start(self, end_stream: bool) -> None:
+        relay = self.down.relay
+        path = _header(self.headers, b":path") or b""
+        route = relay.route_of(path)
+        if route is None:
+            self.refuse(Refuse(UNIMPLEMENTED, f"no route for {path.decode(errors='replace')}"))
+            return
+        self.route = route
+        timeout = _header(self.headers, _GRPC_TIMEOUT)
+        if timeout is not None:
+            seconds = parse_timeout(timeout)
+            if seconds is not None:
+                loop = relay.loop
+                self.deadline = loop.time() + seconds
+                self.timer = loop.call_at(self.deadline, self.deadline_passed)
+        self.client_done = end_stream
+        if route.policy is None:
+            self.forward(self.headers, end_stream)
+        elif end_stream:  # no message at all: the policy decides on the headers alone
+            self.decide(b"")
+        else:
+            self.first = framing.FirstMessage(relay.max_message_size)
+
+    def client_data(self, data: bytes, end_stream: bool) -> None:
+        request = self.request
+        request.received(len(data))
+        if end_stream:
+            self.client_done = True
+        if self.finished:
+            request.release(len(data))
+            return
+        try:
+            self.requests.scan(data)
+        except framing.MessageTooLarge as e:
+            request.release(len(data))
+            self.fail(Refuse(RESOURCE_EXHAUSTED, str(e)))
+            return
+        first = self.first
+        if first is not None:
+            # The policy must see the whole first message: its bytes are read here and
+            # acknowledged at once (bounded by the size limit, not by the window).
+            request.release(len(data))
+            if first.add(data):
+                self.first = None
+                if first.rest:
+                    self.hold(first.rest)
+                self.decide_on(first)
+            elif end_stream:
+                self.fail(Refuse(INVALID_ARGUMENT, "stream ended inside a gRPC message"))
+            return
+        if self.up is None:
+            self.hold(data)
+            return
+        up = self.up
+        up.h2.send_data(self.up_id, data, end_stream=end_stream)
+        up.draining.add(request)
+        up.touch()
+
+    def hold(self, data: bytes) -> None:
+        """Keep request bytes (unacknowledged: the caller's window bounds them) until forwarding."""
+        self.pending.append(data)
+        self.request.held += len(data)
+
+    def client_reset(self, error_code: int) -> None:
+        if self.up is not None:
+            self.up.h2.reset(self.up_id, error_code)
+            self.up.touch()
+        self.end(None, error_code)
+
+    def client_closed(self) -> None:
+        """The caller's stream is gone; a call still going upstream is cancelled there."""
+        if not self.finished:
+            if self.up is not None:
+                self.up.h2.reset(self.up_id, _CANCEL)
+                self.up.touch()
+            self.end(None, _CANCEL)
+        if self.response is not None:
+            self.response.drop()
+        # Request bytes stay unacknowledged until the upstream has written them out.
+        self.pending.clear()
+        self.request.held = 0
+        if self.up is None:
+            self.request.drop()
+
+    # -- the policy -------------------------------------------------------------------------
+
+    def decide_on(self, first: framing.FirstMessage) -> None:
+        payload = first.payload or b""
+        message = payload
+        if first.compressed:
+            encoding = _header(self.headers, _GRPC_ENCODING) or b"identity"
+            try:
+                message = framing.decompress(encoding, payload, self.down.relay.max_message_size)
+            except framing.MessageTooLarge as e:
+                self.fail(Refuse(RESOURCE_EXHAUSTED, str(e)))
+                return
+            except framing.UnsupportedEncoding as e:
+                self.fail(Refuse(INVALID_ARGUMENT, str(e)))
+                return
+        self.decide(message, first)
+
+    def decide(self, message: bytes, first: framing.FirstMessage | None = None) -> None:
+        assert self.route is not None and self.route.policy is not None
+        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, self.deadline)
+        try:
+            decision = self.route.policy(head)
+        except Exception:
+            log.exception("relay policy failed")
+            self.fail(Refuse(INTERNAL, "internal error"))
+            return
+        if inspect.isawaitable(decision):
+            self.decision_task = asyncio.ensure_future(decision)
+            self.decision_task.add_done_callback(lambda task: self.decided_later(task, message, first))
+            return
+        self.apply(decision, message, first, waited=False)
+
+    def decided_later(
+        self, task: asyncio.Future[Decision], message: bytes, first: framing.FirstMessage | None
+    ) -> None:
+        self.decision_task = None
+        if task.cancelled():
+            return  # the call ended while it waited
+        error = task.exception()
+        if error is not None:
+            log.error("relay policy failed", exc_info=error)
+            self.fail(Refuse(INTERNAL, "internal error"))
+        elif self.finished:
+            decision = task.result()
+            if isinstance(decision, Forward) and decision.on_finish is not None:
+                self.on_finish = decision
+                self.report(None, _CANCEL)
+        else:
+            self.apply(task.result(), message, first, waited=True)
+        self.down.flusher.flush()
+
+    def apply(
+        self, decision: Decision, message: bytes, first: framing.FirstMessage | None, *, waited: bool
+    ) -> None:
+        if isinstance(decision, Refuse):
+            self.refuse(decision)
+            return
+        self.on_finish = decision
+        headers = _merge(self.headers, decision.set_headers)
+        if waited and self.deadline is not None:
+            left = self.deadline - self.down.relay.loop.time()
+            headers = _merge(headers, ((_GRPC_TIMEOUT, format_timeout(left)),))
+        if first is not None:
+            if decision.append:
+                # Appended bytes cannot go inside a compressed message: send it plain.
+                self.pending.insert(0, framing.frame(message + decision.append))
+            else:
+                self.pending.insert(0, framing.frame(first.payload or b"", compressed=first.compressed))
+        self.forward(headers, self.client_done and not self.pending)
+
+    # -- upstream ---------------------------------------------------------------------------
+
+    def forward(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
+        assert self.route is not None
+        up = self.route.pool.pick()
+        if up is None:
+            self.fail(Refuse(UNAVAILABLE, "no upstream connection"))
+            return
+        self.up = up
+        self.up_id = up.open_stream(headers, self, end_stream=end_stream)
+        self.response = Pipe(up, self.up_id)
+        self.response.sink, self.response.sink_id = self.down, self.down_id
+        request = self.request
+        request.sink, request.sink_id = up, self.up_id
+        if self.pending:
+            pending, self.pending = self.pending, []
+            last = len(pending) - 1
+            for index, chunk in enumerate(pending):
+                up.h2.send_data(self.up_id, chunk, end_stream=self.client_done and index == last)
+            request.held = 0
+            up.draining.add(request)
+
+    def upstream_headers(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
+        if self.finished:
+            return
+        self.responded = True
+        self.down.h2.send_response(self.down_id, headers, end_stream=end_stream)
+        self.down.touch()
+        if end_stream:  # trailers-only: the status is in these headers
+            self.end(_status_of(headers), None)
+
+    def upstream_data(self, data: bytes, end_stream: bool) -> None:
+        response = self.response
+        assert response is not None
+        response.received(len(data))
+        if self.finished or not self.responded:
+            response.release(len(data))
+            return
+        self.responses.scan(data)
+        down = self.down
+        down.h2.send_data(self.down_id, data, end_stream=end_stream)
+        down.draining.add(response)
+        down.touch()
+        if end_stream:
+            self.end(None, None)
+
+    def upstream_trailers(self, headers: Sequence[http2.Header]) -> None:
+        if self.finished:
+            return
+        self.down.h2.send_trailers(self.down_id, headers)
+        self.down.touch()
+        self.end(_status_of(headers), None)
+
+    def upstream_reset(self, error_code: int) -> None:
+        if self.finished:
+            return
+        self.down.h2.reset(self.down_id, error_code)
+        self.down.touch()
+        self.end(None, error_code)
+
+    def upstream_closed(self) -> None:
+        """Nothing to do: response bytes stay unacknowledged until the caller's side wrote
+        them out, and request bytes settle as the closed stream reports nothing queued."""
+
+    def upstream_lost(self) -> None:
+        if self.response is not None:
+            self.response.drop()
+        if not self.finished:
+            self.fail(Refuse(UNAVAILABLE, "upstream connection lost"))
+
+    # -- ends -------------------------------------------------------------------------------
+
+    def deadline_passed(self) -> None:
+        self.timer = None
+        if not self.finished:
+            if self.up is not None:
+                self.up.h2.reset(self.up_id, _CANCEL)
+                self.up.touch()
+            self.fail(Refuse(DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        self.down.flusher.flush()
+
+    def refuse(self, refusal: Refuse) -> None:
+        """Answer with a status before any response went out (trailers-only)."""
+        self.down.h2.send_response(
+            self.down_id,
+            [(b":status", b"200"), (b"content-type", b"application/grpc"), *status_headers(refusal)],
+            end_stream=True,
+        )
+        self.down.touch()
+        self.end(refusal.status, None)
+
+    def fail(self, refusal: Refuse) -> None:
+        """End the call with the relay's own status, whatever was already sent."""
+        if self.finished:
+            return
+        if self.up is not None:
+            self.up.h2.reset(self.up_id, _CANCEL)
+            self.up.touch()
+        if not self.responded:
+            self.refuse(refusal)
+        else:
+            self.down.h2.send_trailers(self.down_id, status_headers(refusal))
+            self.down.touch()
+            self.end(refusal.status, None)
+
+    def end(self, status: int | None, reset_code: int | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.decision_task is not None:
+            self.decision_task.cancel()  # stop waiting for admission or a slot
+        self.report(status, reset_code)
+
+    def report(self, status: int | None, reset_code: int | None) -> None:
+        decision, self.on_finish = self.on_finish, None
+        if decision is None or decision.on_finish is None:
+            return
+        try:
+            decision.on_finish(CallEnd(status, reset_code, self.requests.count, self.responses.count))
+        except Exception:
+            log.exception("relay on_finish callback failed")
+
+
+class DownstreamConnection(Peer):
+    """A tenant's HTTP/2 connection (server role)."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__(relay.flusher, server=True, max_concurrent_streams=relay.max_concurrent_streams)
+        self.relay = relay
+        self.calls: dict[int, Call] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.relay.clients.add(self)
+        super().connection_made(transport)
+
+    def handle(self, events: list[http2.Event]) -> None:
+        calls = self.calls
+        for event in events:
+            if isinstance(event, http2.DataReceived):
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.client_data(event.data, event.end_stream)
+                else:
+                    self.h2.acknowledge(event.stream_id, len(event.data))
+            elif isinstance(event, http2.RequestReceived):
+                call = Call(self, event.stream_id, event.headers)
+                calls[event.stream_id] = call
+                call.start(event.end_stream)
+            elif isinstance(event, http2.StreamReset):
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.client_reset(event.error_code)
+            elif isinstance(event, http2.StreamClosed):
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    call.client_closed()
+            elif isinstance(event, http2.TrailersReceived):
+                call = calls.get(event.stream_id)
+                if call is not None:  # gRPC callers send none; treat as the end of input
+                    call.client_data(b"", True)
+
+    def lost(self) -> None:
+        self.relay.clients.discard(self)
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call.client_closed()
+
+
+class Relay:
+    """The HTTP/2 gRPC relay: its upstream pools, routes, limits and listening socket."""
+
+    def __init__(self, *, max_message_size: int = 64 << 20, max_concurrent_streams: int = 1000) -> None:
+        self.routes: list[Route] = []
+        self.max_message_size = max_message_size
+        self.max_concurrent_streams = max_concurrent_streams
+        self.flusher = Flusher()
+        self.loop = asyncio.get_running_loop()
+        self._pools: list[UpstreamPool] = []
+        self.clients: set[DownstreamConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    def upstream(self, address: str, *, connections: int = 2) -> UpstreamPool:
+        """A pool of connections to `address` (`host:port` or `unix:/path`); start() it."""
+        pool = UpstreamPool(self.flusher, address, size=connections)
+        self._pools.append(pool)
+        return pool
+
+    def route(self, prefix: bytes, pool: UpstreamPool, policy: CallPolicy | None = None) -> None:
+        """Calls whose `:path` starts with `prefix` go to `pool` (first match wins)."""
+        self.routes.append(Route(prefix, pool, policy))
+
+    def route_of(self, path: bytes) -> Route | None:
+        for route in self.routes:
+            if path.startswith(route.prefix):
+                return route
+        return None
+
+    async def listen(self, host: str, port: int) -> int:
+        """Accept connections on host:port (0 picks one); returns the port."""
+        self._server = await self.loop.create_server(lambda: DownstreamConnection(self), host, port)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for client in list(self.clients):
+            client.abort()
+        for pool in self._pools:
+            await pool.stop()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+def _header(headers: Sequence[http2.Header], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+def _merge(headers: Sequence[http2.Header], changes: Sequence[http2.Header]) -> Sequence[http2.Header]:
+    """`headers` with each of `changes` replacing the fields of its name, or added at the end."""
+    if not changes:
+        return headers
+    names = {name for name, _ in changes}
+    return [*(h for h in headers if h[0] not in names), *changes]
+
+
+def _status_of(headers: Sequence[http2.Header]) -> int | None:
+    value = _header(headers, b"grpc-status")
+    return int(value) if value is not None and value.isdigit() else None
+
