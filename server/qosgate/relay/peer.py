@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class Pipe:
     """One direction of a call: source stream → sink stream, with unacknowledged bytes."""
 
-    __slots__ = ("source", "source_id", "sink", "sink_id", "unacked", "held")
+    __slots__ = ("source", "source_id", "sink", "sink_id", "unacked", "held", "pushed", "credit")
 
     def __init__(self, source: Peer, source_id: int) -> None:
         self.source = source
@@ -33,16 +33,30 @@ class Pipe:
         self.sink_id = 0
         self.unacked = 0  # received from the source, not yet acknowledged to it
         self.held = 0  # of those, bytes the relay keeps itself until the sink exists
+        self.pushed = 0  # bytes handed to the sink stream
+        # Bytes handed to the sink first that were acknowledged already (a first message
+        # the policy read, as re-sent): they leave the sink's queue before the others.
+        self.credit = 0
 
     def received(self, size: int) -> None:
         self.unacked += size
 
+    def push(self, data: bytes, *, end_stream: bool = False) -> None:
+        sink = self.sink
+        assert sink is not None
+        sink.h2.send_data(self.sink_id, data, end_stream=end_stream)
+        self.pushed += len(data)
+        sink.draining.add(self)
+        sink.touch()
+
     def release(self, size: int) -> None:
         """Acknowledge bytes the relay consumed itself (a first message it read)."""
-        if size:
+        if size > 0:
             self.unacked -= size
-            self.source.h2.acknowledge(self.source_id, size)
-            self.source.touch()
+            source = self.source
+            if not source.closed:
+                source.h2.acknowledge(self.source_id, size)
+                source.touch()
 
     def drop(self) -> None:
         """The call is over: nothing will be handed on, give the source its window back."""
@@ -53,7 +67,11 @@ class Pipe:
     def settle(self) -> bool:
         """Acknowledge what the sink wrote out; True while bytes are still outstanding."""
         sink = self.sink
-        waiting = self.held + (sink.h2.queued(self.sink_id) if sink is not None else 0)
+        waiting = self.held
+        if sink is not None:
+            queued = sink.h2.queued(self.sink_id)
+            credit_left = max(0, self.credit - (self.pushed - queued))
+            waiting += queued - credit_left
         self.release(self.unacked - waiting)
         return self.unacked > 0
 

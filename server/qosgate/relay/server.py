@@ -154,10 +154,7 @@ class Call:
         if self.up is None:
             self.hold(data)
             return
-        up = self.up
-        up.h2.send_data(self.up_id, data, end_stream=end_stream)
-        up.draining.add(request)
-        up.touch()
+        request.push(data, end_stream=end_stream)
 
     def hold(self, data: bytes) -> None:
         """Keep request bytes (unacknowledged: the caller's window bounds them) until forwarding."""
@@ -250,9 +247,11 @@ class Call:
         if first is not None:
             if decision.append:
                 # Appended bytes cannot go inside a compressed message: send it plain.
-                self.pending.insert(0, framing.frame(message + decision.append))
+                resent = framing.frame(message + decision.append)
             else:
-                self.pending.insert(0, framing.frame(first.payload or b"", compressed=first.compressed))
+                resent = framing.frame(first.payload or b"", compressed=first.compressed)
+            self.pending.insert(0, resent)
+            self.request.credit = len(resent)  # its bytes were acknowledged as they came
         self.forward(headers, self.client_done and not self.pending)
 
     # -- upstream ---------------------------------------------------------------------------
@@ -271,11 +270,10 @@ class Call:
         request.sink, request.sink_id = up, self.up_id
         if self.pending:
             pending, self.pending = self.pending, []
+            request.held = 0
             last = len(pending) - 1
             for index, chunk in enumerate(pending):
-                up.h2.send_data(self.up_id, chunk, end_stream=self.client_done and index == last)
-            request.held = 0
-            up.draining.add(request)
+                request.push(chunk, end_stream=self.client_done and index == last)
 
     def upstream_headers(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
         if self.finished:
@@ -294,10 +292,7 @@ class Call:
             response.release(len(data))
             return
         self.responses.scan(data)
-        down = self.down
-        down.h2.send_data(self.down_id, data, end_stream=end_stream)
-        down.draining.add(response)
-        down.touch()
+        response.push(data, end_stream=end_stream)
         if end_stream:
             self.end(None, None)
 

@@ -1,0 +1,92 @@
+"""gRPC message framing, grpc-timeout and status encoding of the relay (pure logic)."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+
+from qosgate.relay import framing
+from qosgate.relay.policy import RESOURCE_EXHAUSTED, CallHead, Refuse, percent_encode, status_headers
+from qosgate.relay.server import format_timeout, parse_timeout
+
+
+def test_scanner_counts_messages_split_anywhere() -> None:
+    stream = framing.frame(b"a" * 10) + framing.frame(b"") + framing.frame(b"b" * 300, compressed=True)
+    for cut in range(1, len(stream)):
+        scanner = framing.MessageScanner(limit=1000)
+        scanner.scan(stream[:cut])
+        scanner.scan(stream[cut:])
+        assert scanner.count == 3
+
+
+def test_scanner_refuses_a_message_over_the_limit_from_its_prefix() -> None:
+    scanner = framing.MessageScanner(limit=100)
+    with pytest.raises(framing.MessageTooLarge, match="101 bytes"):
+        scanner.scan(framing.frame(b"x" * 101)[:7])  # the payload need not arrive
+
+
+def test_first_message_collects_one_message_and_keeps_the_rest() -> None:
+    first = framing.FirstMessage(limit=1000)
+    data = framing.frame(b"hello", compressed=True) + framing.frame(b"next")
+    assert not first.add(data[:3])
+    assert not first.add(data[3:8])
+    assert first.add(data[8:])
+    assert (first.payload, first.compressed, first.rest) == (b"hello", True, framing.frame(b"next"))
+
+
+def test_first_message_over_the_limit() -> None:
+    with pytest.raises(framing.MessageTooLarge):
+        framing.FirstMessage(limit=4).add(framing.frame(b"hello"))
+
+
+def test_decompress_gzip_and_deflate_with_a_bound() -> None:
+    body = b"tensor bytes " * 100
+    assert framing.decompress(b"gzip", gzip.compress(body), 10_000) == body
+    assert framing.decompress(b"deflate", zlib.compress(body), 10_000) == body
+    with pytest.raises(framing.MessageTooLarge):
+        framing.decompress(b"gzip", gzip.compress(b"\0" * 1_000_000), 1000)  # a zip bomb stops early
+    with pytest.raises(framing.UnsupportedEncoding):
+        framing.decompress(b"snappy", b"", 1000)
+    with pytest.raises(framing.UnsupportedEncoding, match="corrupt"):
+        framing.decompress(b"gzip", b"not gzip", 1000)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(b"1S", 1.0), (b"250m", 0.25), (b"3M", 180.0), (b"1H", 3600.0), (b"20u", 20e-6), (b"5n", 5e-9)],
+)
+def test_grpc_timeout(value: bytes, seconds: float) -> None:
+    assert parse_timeout(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", [b"", b"S", b"10", b"10x", b"123456789S", b"-1S"])
+def test_malformed_grpc_timeout_is_ignored(value: bytes) -> None:
+    assert parse_timeout(value) is None
+
+
+def test_format_timeout_round_trips_in_microseconds() -> None:
+    assert format_timeout(0.25) == b"250000u"
+    assert format_timeout(-1.0) == b"1u"  # already late: the upstream fails it at once
+    assert parse_timeout(format_timeout(2.5)) == pytest.approx(2.5)
+
+
+def test_status_headers_encode_message_and_details() -> None:
+    fields = dict(status_headers(Refuse(RESOURCE_EXHAUSTED, "100% über", details=b"\x08\x08")))
+    assert fields[b"grpc-status"] == b"8"
+    assert fields[b"grpc-message"] == b"100%25 %C3%BCber"
+    assert fields[b"grpc-status-details-bin"] == b"CAg"  # base64, padding dropped
+    assert percent_encode("plain text") == b"plain text"
+
+
+def test_call_head_reads_the_last_header_and_the_method() -> None:
+    head = CallHead(
+        b"/inference.GRPCInferenceService/ModelInfer",
+        [(b"x-api-key", b"one"), (b"x-api-key", b"two")],
+        b"",
+        None,
+    )
+    assert head.header(b"x-api-key") == b"two"
+    assert head.header(b"authorization") is None
+    assert head.method == "ModelInfer"
