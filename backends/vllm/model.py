@@ -191,8 +191,8 @@ class EngineMetrics:
     """Publishes the engine's scheduler counters as Triton custom metrics.
 
     vLLM calls record() on its output-handling task with the stats the EngineCore
-    process reports after each step: running/waiting requests, generated tokens and
-    finished requests by reason. It is a vLLM StatLoggerBase by shape, not by
+    process reports after each step: running/waiting requests, KV-cache use, generated
+    tokens and finished requests by reason. It is a vLLM StatLoggerBase by shape, not by
     inheritance, so that this module imports vLLM lazily.
     """
 
@@ -210,6 +210,7 @@ class EngineMetrics:
         if scheduler_stats is not None:
             families.running.set(scheduler_stats.num_running_reqs)
             families.waiting.set(scheduler_stats.num_waiting_reqs)
+            families.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
         if iteration_stats is not None:
             if iteration_stats.num_generation_tokens:
                 families.generation_tokens.increment(iteration_stats.num_generation_tokens)
@@ -238,6 +239,11 @@ class TritonEngineMetricFamilies:
         self._waiting_family = pb_utils.MetricFamily(
             "vllm_engine_requests_waiting", "Requests queued in the engine's scheduler", gauge
         )
+        self._kv_family = pb_utils.MetricFamily(
+            "vllm_engine_kv_cache_usage",
+            "Fraction of the engine's KV cache in use (0..1): the gateway's `auto` window reads it",
+            gauge,
+        )
         self._tokens_family = pb_utils.MetricFamily(
             "vllm_engine_generation_tokens_total", "Tokens the engine generated", counter
         )
@@ -248,6 +254,7 @@ class TritonEngineMetricFamilies:
         )
         self.running = self._running_family.Metric(labels=self._labels)
         self.waiting = self._waiting_family.Metric(labels=self._labels)
+        self.kv_cache_usage = self._kv_family.Metric(labels=self._labels)
         self.generation_tokens = self._tokens_family.Metric(labels=self._labels)
         self._finished: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -265,8 +272,8 @@ class TritonEngineMetricFamilies:
         left to interpreter exit, their destructors write to freed memory (segfault)."""
         with self._lock:
             self._finished.clear()
-        self.running = self.waiting = self.generation_tokens = None
-        self._running_family = self._waiting_family = None
+        self.running = self.waiting = self.kv_cache_usage = self.generation_tokens = None
+        self._running_family = self._waiting_family = self._kv_family = None
         self._tokens_family = self._finished_family = None
 
     def logger_factory(self) -> Callable[..., EngineMetrics]:
