@@ -195,7 +195,7 @@ class Stack:
     def pending(self, model: str) -> int:
         """Requests Triton holds for `model` (queued or executing), from its metrics."""
         assert self.triton is not None
-        url = f"http://{LOOPBACK}:{self.triton.ports.metrics}/metrics"
+        url = self.triton.ports.metrics_url
         with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
         prefix = f'nv_inference_pending_request_count{{model="{model}"'

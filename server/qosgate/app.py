@@ -43,6 +43,7 @@ from qosgate.services.embedding import EmbeddingServicer, PoolEngineInfer
 from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
+from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
 from qosgate.tls import server_credentials
 from qosgate.usage import UsageLedger, UsageMeter
@@ -85,6 +86,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pool = UpstreamPool(config.upstreams, check_interval_s=health_check_interval_s)
         self.scheduler = Scheduler(config, self.clock)
+        self._engine_load = EngineLoadReader(
+            (u.metrics_url for u in config.upstreams if u.metrics_url), self.scheduler.engine_load
+        )
         self.directory = TenantDirectory(config)
         # Redis when several gateway replicas must enforce one set of limits together.
         self._shared_quota = (
@@ -108,6 +112,7 @@ class Gateway:
             clock=self.clock,
         )
         self.embedding = EmbeddingPlane(
+            config=config,
             directory=self.directory,
             admission=self.admission,
             scheduler=self.scheduler,
@@ -162,6 +167,7 @@ class Gateway:
         Raises Unavailable when the job store cannot be reached."""
         await self.jobs.open()
         kserve = KServeService(
+            config=self.config,
             directory=self.directory,
             admission=self.admission,
             scheduler=self.scheduler,
@@ -209,6 +215,7 @@ class Gateway:
         self.pool.on_health_change(self._publish_health)
         await self._publish_health(False)
         await self.pool.start()
+        self._engine_load.start()
         self.metrics.watch(
             self.scheduler.snapshot, lambda: ((u.name, u.healthy) for u in self.pool.upstreams)
         )
@@ -255,6 +262,7 @@ class Gateway:
             self._batch_task.cancel()
             await asyncio.gather(self._batch_task, return_exceptions=True)
             self._batch_task = None
+        await self._engine_load.close()
         await self.pool.close()
         if self._shared_quota is not None:
             await self._shared_quota.aclose()
@@ -319,7 +327,8 @@ def up(
     try:
         ports = TritonPorts()
         with LocalTriton(models=models, ports=ports):
-            local = config.model_copy(update={"upstreams": [UpstreamConfig(name="local", url=ports.grpc_url)]})
+            local_triton = UpstreamConfig(name="local", url=ports.grpc_url, metrics_url=ports.metrics_url)
+            local = config.model_copy(update={"upstreams": [local_triton]})
             asyncio.run(serve(local, path=path))
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -28,6 +28,9 @@ from pydantic import (
 
 DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
 
+# Where an `auto` dispatch window starts before it has measured anything.
+_AUTO_WINDOW_START = 8
+
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -132,6 +135,9 @@ class UpstreamConfig(_Frozen):
     """gRPC address `host:port` of Triton's GRPCInferenceService."""
     tls: UpstreamTlsConfig | None = None
     """TLS to this endpoint; unset: plaintext (right for a Triton on loopback)."""
+    metrics_url: str | None = None
+    """Triton's Prometheus metrics (`http://host:8002/metrics`): where `auto` dispatch
+    windows read the engines' waiting queue and KV-cache use; unset: latency alone."""
 
 
 class ListenerTlsConfig(_Frozen):
@@ -234,6 +240,10 @@ class LimitsConfig(_Frozen):
     """Requests of this tenant admitted and not yet finished, queued or in flight."""
     tokens_per_minute: int | None = Field(default=None, ge=1)
     """LLM tokens (prompt + generated) per minute, as a bucket of that capacity."""
+    max_inflight_tokens: int | None = Field(default=None, ge=1)
+    """Tokens (prompt + max_tokens) of this tenant's LLM requests at the engines at once;
+    past it, its requests wait queued in the gateway (others pass them). A request that
+    alone holds more is refused RESOURCE_EXHAUSTED."""
     daily_token_budget: int | None = Field(default=None, ge=1)
     """LLM tokens per UTC day, counted in the persistent usage ledger (generation API);
     with a Redis quota store, in day totals there that every gateway adds to."""
@@ -296,13 +306,30 @@ class SchedulerConfig(_Frozen):
     A higher-class request then finds a slot free at Triton at once instead of waiting
     for lower-class work there to finish. A class whose anti-starvation floor is due may
     still use the whole window. 0: every class may fill the window."""
+    fair_share: Literal["cost", "requests"] = "cost"
+    """What fair share between the tenants of a class counts: `cost` (each request's cost:
+    LLM tokens, prompt + output_token_weight x max_tokens, corrected when it finishes;
+    other models the unit of their `cost_unit`) or `requests` (every request counts 1)."""
+    output_token_weight: float = Field(default=2.0, ge=0)
+    """Cost of an output token against a prompt token in an LLM request's cost (VTC's w)."""
 
 
 class ModelPolicy(_Frozen):
     """How the gateway feeds one Triton model."""
 
-    dispatch_window: int = Field(default=8, ge=1)
-    """Requests in flight at Triton for this model; the rest wait in the gateway's queues."""
+    dispatch_window: int | Literal["auto"] = "auto"
+    """Requests in flight at Triton for this model; the rest wait in the gateway's queues.
+    `auto`: sized by the gateway between `window_min` and `window_max` from the engine's
+    saturation (waiting queue, KV-cache use) and the latency of recent dispatches."""
+    window_min: int = Field(default=2, ge=1)
+    """Smallest window `auto` shrinks to."""
+    window_max: int = Field(default=64, ge=1)
+    """Largest window `auto` grows to; keep it at most the engine's batch limit
+    (vLLM `max_num_seqs`)."""
+    cost_unit: Literal["request", "text", "byte"] = "request"
+    """Fair-share cost of a request without token counts (embedding and KServe calls):
+    `request` 1 each, `text` 1 per input text (an embedding call) or batch row (the first
+    dimension of a KServe call's first input), `byte` 1 per byte of the request."""
     max_queued: int = Field(default=2000, ge=1)
     """Requests queued for this model (all classes) before overload shedding starts."""
     adapter: Literal["vllm", "trtllm"] = "vllm"
@@ -322,6 +349,26 @@ class ModelPolicy(_Frozen):
     """Generation API only: the model's tokenizer (a tokenizer.json, its folder, or a
     Hugging Face model id in the local cache) for exact prompt token counts; unset: an
     estimate that leans high (the vLLM adapter then takes the engine's count)."""
+
+    @field_validator("dispatch_window", mode="before")
+    @classmethod
+    def _window_positive(cls, value: Any) -> Any:
+        valid = value == "auto" or (type(value) is int and value >= 1)
+        if not valid:
+            raise ValueError("must be `auto` or an integer >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _window_bounds(self) -> ModelPolicy:
+        if self.window_min > self.window_max:
+            raise _FieldProblem("window_min", "must not be above window_max")
+        return self
+
+    def initial_window(self) -> int:
+        """The window a model starts with: a pinned one, or `auto`'s first guess."""
+        if self.dispatch_window != "auto":
+            return self.dispatch_window
+        return min(max(_AUTO_WINDOW_START, self.window_min), self.window_max)
 
     @field_validator("chat_template")
     @classmethod

@@ -3,7 +3,8 @@ scheduler as every other request, free of any transport.
 
 One call is one ModelInfer with the texts as a batch of the model's `text` input; the
 model's `embedding` output comes back as one FP32 row per text. Embedding calls cost no
-LLM tokens: admission counts them as requests (rate, concurrency) only.
+LLM tokens: admission counts them as requests (rate, concurrency) only, and the fair
+share counts the model's `cost_unit` (per call, per text or per byte of text).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from tritonclient.grpc import service_pb2
 from qosgate.adapters.tensors import TensorReader, TensorWriter
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
+from qosgate.config import GatewayConfig
 from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
 from qosgate.quota import Admission, Refused
 from qosgate.scheduler import Scheduler
+from qosgate.scheduler.cost import unit_cost
 
 TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
@@ -50,12 +53,14 @@ class EmbeddingPlane:
     def __init__(
         self,
         *,
+        config: GatewayConfig,
         directory: TenantDirectory,
         admission: Admission,
         scheduler: Scheduler,
         engine: EngineInfer,
         clock: Clock,
     ) -> None:
+        self._config = config
         self._directory = directory
         self._admission = admission
         self._scheduler = scheduler
@@ -84,9 +89,11 @@ class EmbeddingPlane:
         verdict = await self._admission.admit(tenant)
         if isinstance(verdict, Refused):
             raise verdict.error()
+        unit = self._config.model_policy(model).cost_unit
+        cost = unit_cost(unit, texts=len(inputs), size=sum(len(text.encode()) for text in inputs))
         try:
             async with self._scheduler.slot(
-                tenant=tenant, klass=klass, model=model, deadline=deadline
+                tenant=tenant, klass=klass, model=model, deadline=deadline, cost=cost
             ) as dispatch:
                 request = service_pb2.ModelInferRequest(model_name=model)
                 TensorWriter(request).strings(TEXT_INPUT, inputs, [len(inputs), 1])
@@ -99,6 +106,7 @@ class EmbeddingPlane:
                         raise DeadlineExceeded("deadline passed before dispatch to Triton")
                     request.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
                 response = await self._engine.infer(request, timeout_s)
+                dispatch.responded()
         finally:
             await verdict.permit.release()
         values = TensorReader(response).numbers(EMBEDDING_OUTPUT)

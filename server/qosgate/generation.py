@@ -32,6 +32,7 @@ from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
 from qosgate.quota import Admission, Refused
 from qosgate.quota.tokens import DailyTokenBudget, estimate_prompt_tokens
 from qosgate.scheduler import Scheduler
+from qosgate.scheduler.cost import token_cost
 from qosgate.usage import UsageMeter, UsageRecord
 
 # The request parameter our vLLM backend reads as the engine priority (smaller runs
@@ -185,9 +186,15 @@ class GenerationPlane:
         request_id = uuid.uuid4().hex
         responses = 0
         finished: FinishReason | None = None
+        weight = self._config.scheduler.output_token_weight
         try:
             async with self._scheduler.slot(
-                tenant=tenant, klass=klass, model=call.model, deadline=deadline
+                tenant=tenant,
+                klass=klass,
+                model=call.model,
+                deadline=deadline,
+                cost=token_cost(prompt_estimate, request.sampling.max_tokens, weight),
+                tokens=cost,
             ) as dispatch:
                 labels.queue_wait_s = dispatch.queue_wait_s
                 upstream = adapter.encode(request, request_id=request_id)
@@ -197,17 +204,23 @@ class GenerationPlane:
                 first_token: float | None = None
                 # aclosing: when our caller leaves mid-stream, the engine stream must be
                 # closed now (cancelling the upstream call), not whenever it is collected.
-                async with contextlib.aclosing(self._engine.open(upstream, timeout_s)) as stream:
-                    async for response in stream:
-                        responses += 1
-                        chunk = decoder.feed(response)
-                        if chunk.text:
-                            if first_token is None:
-                                first_token = self._clock.now()
-                            yield chunk.text
-                        if chunk.final:
-                            finished = chunk.finish_reason
-                            break
+                try:
+                    async with contextlib.aclosing(self._engine.open(upstream, timeout_s)) as stream:
+                        async for response in stream:
+                            responses += 1
+                            dispatch.responded()
+                            chunk = decoder.feed(response)
+                            if chunk.text:
+                                if first_token is None:
+                                    first_token = self._clock.now()
+                                yield chunk.text
+                            if chunk.final:
+                                finished = chunk.finish_reason
+                                break
+                finally:
+                    # The fair share is charged what the engine did, however it ended.
+                    counted = decoder.counted() if responses else TokenCounts(0, 0)
+                    dispatch.settle(token_cost(counted.prompt_tokens, counted.completion_tokens, weight))
                 if finished is None:
                     raise Internal(f"Triton ended the stream of request {request_id} before its final response")
             now = self._clock.now()

@@ -44,6 +44,10 @@ class TritonPorts:
     def grpc_url(self) -> str:
         return f"{LOOPBACK}:{self.grpc}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.metrics}/metrics"
+
 
 def _pytriton_dirs() -> tuple[pathlib.Path, pathlib.Path]:
     """(pytriton/tritonserver, nvidia_pytriton.libs) inside site-packages."""

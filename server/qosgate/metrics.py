@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qosgate.scheduler.core import SchedulerSnapshot
@@ -34,7 +34,7 @@ class _ScrapeTimeCollector(Collector):
         self._scheduler = scheduler
         self._upstreams = upstreams
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         snapshot = self._scheduler()
         depth = GaugeMetricFamily(
             "qosgate_queue_depth",
@@ -48,6 +48,22 @@ class _ScrapeTimeCollector(Collector):
         )
         for model, count in snapshot.in_flight.items():
             in_flight.add_metric((model,), count)
+        window = GaugeMetricFamily(
+            "qosgate_dispatch_window",
+            "Requests a model may have in flight at Triton (moves with `dispatch_window: auto`)",
+            labels=("model",),
+        )
+        for model, size in snapshot.window.items():
+            window.add_metric((model,), size)
+        served = CounterMetricFamily(
+            "qosgate_tenant_service",
+            "Cost of the requests a tenant finished, as the fair share counts it: weighted "
+            "tokens (prompt + output_token_weight x completion) for LLMs, the model's "
+            "cost_unit for other models, requests with fair_share: requests",
+            labels=("model", "tenant"),
+        )
+        for (model, tenant), cost in snapshot.served.items():
+            served.add_metric((model, tenant), cost)
         ready = GaugeMetricFamily(
             "qosgate_upstream_ready",
             "1 if the upstream answered ServerReady at the last check",
@@ -55,7 +71,7 @@ class _ScrapeTimeCollector(Collector):
         )
         for name, healthy in self._upstreams():
             ready.add_metric((name,), 1 if healthy else 0)
-        yield from (depth, in_flight, ready)
+        yield from (depth, in_flight, window, served, ready)
 
 
 class GatewayMetrics:

@@ -44,9 +44,9 @@ EXPECTED_ERRORS = {
     "default_above_max": (
         "tenants[0].default_class: default class 'critical' is above max_class 'interactive'"
     ),
-    "dispatch_window_zero": (
-        "models.smollm2.dispatch_window: Input should be greater than or equal to 1"
-    ),
+    "dispatch_window_zero": "models.smollm2.dispatch_window: must be `auto` or an integer >= 1",
+    "dispatch_window_word": "models.smollm2.dispatch_window: must be `auto` or an integer >= 1",
+    "window_bounds_crossed": "models.smollm2.window_min: must not be above window_max",
     "duplicate_api_key": "tenants[1].api_keys[0]: duplicate API key (also used by tenant 'acme')",
     "duplicate_class": "classes[2]: duplicate class 'standard'",
     "duplicate_tenant": "tenants[1].name: duplicate tenant 'acme'",
@@ -142,6 +142,10 @@ def test_defaults() -> None:
     assert config.model_policy("anything") == config.default_model_policy
     assert config.sheddable_classes() == ["batch", "standard", "interactive"]
     assert config.floor_share("critical") == 0.0 and config.floor_share("batch") == 0.05
+    policy = config.default_model_policy
+    assert policy.dispatch_window == "auto" and policy.initial_window() == 8
+    assert (policy.window_min, policy.window_max, policy.cost_unit) == (2, 64, "request")
+    assert config.scheduler.fair_share == "cost" and config.scheduler.output_token_weight == 2.0
 
 
 def test_class_levels_follow_the_class_list() -> None:

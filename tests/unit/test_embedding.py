@@ -55,6 +55,7 @@ def plane_and_triton() -> tuple[EmbeddingPlane, FakeTriton, TenantDirectory]:
     directory = TenantDirectory(CONFIG)
     triton = FakeTriton()
     plane = EmbeddingPlane(
+        config=CONFIG,
         directory=directory,
         admission=Admission(InMemoryQuotaStore(), clock),
         scheduler=Scheduler(CONFIG, clock),

@@ -30,6 +30,16 @@ def test_peek_reads_routing_fields_and_skips_tensors() -> None:
     assert (head.model_name, head.id, head.wants_empty_final) == ("minilm", "req-7", True)
 
 
+def test_peek_reads_the_batch_rows_of_the_first_input() -> None:
+    assert infer_wire.peek_request(_request().SerializeToString()).rows == 1
+    request = service_pb2.ModelInferRequest(model_name="minilm")
+    request.inputs.add(name="text", datatype="BYTES", shape=[300, 1])
+    request.inputs.add(name="other", datatype="BYTES", shape=[7])
+    assert infer_wire.peek_request(request.SerializeToString()).rows == 300
+    # No shape (or no input): one row.
+    assert infer_wire.peek_request(service_pb2.ModelInferRequest(model_name="m").SerializeToString()).rows == 1
+
+
 def test_peek_last_occurrence_wins_like_protobuf() -> None:
     raw = _request().SerializeToString() + service_pb2.ModelInferRequest(
         model_name="identity"

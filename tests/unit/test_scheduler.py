@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from qosgate.auth import Tenant
 from qosgate.config import GatewayConfig, parse_config
-from qosgate.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from qosgate.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
 
 from tests.fakes import FakeClock, make_tenant
@@ -35,19 +36,43 @@ class Harness:
     def __init__(self, cfg: GatewayConfig, *, fill_window: bool = True) -> None:
         self.core = SchedulingCore(cfg)
         self.clock = FakeClock()
+        self.in_flight: list[Waiter] = []  # dispatched, oldest first: release() ends the oldest
         if fill_window:
-            for _ in range(cfg.model_policy(MODEL).dispatch_window):
+            for _ in range(cfg.model_policy(MODEL).initial_window()):
                 assert self.submit("filler", "critical").state is WaiterState.DISPATCHED
 
     def submit(
-        self, tenant: str, klass: str, *, weight: float = 1.0, deadline: float | None = None
+        self,
+        tenant: str,
+        klass: str,
+        *,
+        weight: float = 1.0,
+        deadline: float | None = None,
+        cost: float = 1.0,
+        tokens: int = 0,
+        token_quota: int | None = None,
     ) -> Waiter:
-        waiter = Waiter(tenant, weight, klass, MODEL, deadline, self.clock.now())
+        waiter = Waiter(
+            tenant, weight, klass, MODEL, deadline, self.clock.now(),
+            cost=cost, tokens=tokens, token_quota=token_quota,
+        )
         self.core.submit(waiter, self.clock.now())
+        if waiter.state is WaiterState.DISPATCHED:
+            self.in_flight.append(waiter)
         return waiter
 
-    def release(self) -> list[Waiter]:
-        return list(self.core.release(MODEL, self.clock.now()))
+    def release(self, waiter: Waiter | None = None) -> list[Waiter]:
+        finished = self.in_flight.pop(0) if waiter is None else waiter
+        if waiter is not None:
+            self.in_flight.remove(waiter)
+        return self._decided(self.core.release(finished, self.clock.now()))
+
+    def resize(self, window: int) -> list[Waiter]:
+        return self._decided(self.core.resize(MODEL, window, self.clock.now()))
+
+    def _decided(self, decided: Sequence[Waiter]) -> list[Waiter]:
+        self.in_flight += [w for w in decided if w.state is WaiterState.DISPATCHED]
+        return list(decided)
 
     def next_dispatched(self) -> Waiter:
         (waiter,) = self.release()
@@ -156,7 +181,7 @@ def test_arrival_with_passed_deadline_is_refused_when_it_would_queue() -> None:
     h = Harness(config())
     with pytest.raises(DeadlineExceeded):
         h.submit("t", "standard", deadline=h.clock.now())
-    assert h.core.snapshot().queued == {}
+    assert not any(h.core.snapshot().queued.values())
 
 
 def test_shedding_takes_the_lowest_sheddable_class_first_never_critical() -> None:
@@ -400,9 +425,11 @@ async def test_shed_waiter_raises_unavailable() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_random_operations_keep_the_core_consistent(seed: int) -> None:
-    """Submit, release, withdraw and let time pass at random; the books must always balance."""
+    """Submit, release, withdraw, resize the window and let time pass at random, with
+    token costs and in-flight token quotas; the books must always balance."""
     rng = random.Random(seed)
     window = rng.randint(1, 6)
+    quota = rng.choice([None, 10, 25])
     cfg = config(
         window=window,
         max_queued=rng.randint(5, 30),
@@ -412,24 +439,30 @@ def test_random_operations_keep_the_core_consistent(seed: int) -> None:
     core = SchedulingCore(cfg)
     clock = FakeClock()
     queued: list[Waiter] = []
-    in_flight = 0
+    running: list[Waiter] = []
     dispatched: set[Waiter] = set()  # Waiter compares by identity
 
     def account(waiter: Waiter) -> None:
-        nonlocal in_flight
         assert waiter not in dispatched, "dispatched twice"
         if waiter.state is WaiterState.DISPATCHED:
             dispatched.add(waiter)
-            in_flight += 1
+            running.append(waiter)
         if waiter in queued:
             queued.remove(waiter)
+
+    def tokens_of(tenant: str) -> int:
+        return sum(w.tokens for w in running if w.tenant == tenant)
 
     for _ in range(600):
         op = rng.random()
         if op < 0.5:
             klass = rng.choice(cfg.classes)
             deadline = clock.now() + rng.uniform(0.1, 3.0) if rng.random() < 0.5 else None
-            waiter = Waiter(rng.choice("abcd"), rng.choice([1.0, 2.0]), klass, MODEL, deadline, 0.0)
+            tokens = rng.randint(1, 10)
+            waiter = Waiter(
+                rng.choice("abcd"), rng.choice([1.0, 2.0]), klass, MODEL, deadline, 0.0,
+                cost=rng.uniform(1, 30), tokens=tokens, token_quota=quota,
+            )
             try:
                 decided = core.submit(waiter, clock.now())
             except (Unavailable, DeadlineExceeded):
@@ -442,11 +475,16 @@ def test_random_operations_keep_the_core_consistent(seed: int) -> None:
                 queued.append(waiter)
             else:
                 account(waiter)
-        elif op < 0.8 and in_flight:
-            in_flight -= 1
-            for waiter in core.release(MODEL, clock.now()):
+        elif op < 0.75 and running:
+            finished = running.pop(rng.randrange(len(running)))
+            core.settle(finished, rng.uniform(0, 30))
+            for waiter in core.release(finished, clock.now()):
                 if waiter.state is WaiterState.DROPPED:
                     assert waiter.deadline is not None and waiter.deadline <= clock.now()
+                account(waiter)
+        elif op < 0.8:
+            window = rng.randint(1, 6)
+            for waiter in core.resize(MODEL, window, clock.now()):
                 account(waiter)
         elif op < 0.9 and queued:
             waiter = rng.choice(queued)
@@ -455,9 +493,124 @@ def test_random_operations_keep_the_core_consistent(seed: int) -> None:
         else:
             clock.advance(rng.uniform(0.0, 1.0))
         snapshot = core.snapshot()
-        assert snapshot.in_flight.get(MODEL, 0) == in_flight <= window
+        assert snapshot.in_flight.get(MODEL, 0) == len(running)
         assert sum(snapshot.queued.values()) == len(queued)
         assert all(w.state is WaiterState.QUEUED for w in queued)
+        if quota is not None:
+            assert all(tokens_of(t) <= quota for t in "abcd"), "in-flight tokens over the quota"
+        blocked = {w.tenant for w in queued if quota is not None and tokens_of(w.tenant) + w.tokens > quota}
         assert all(
-            in_flight >= cfg.class_window(w.klass, window) for w in queued
-        ), "work-conserving: nothing waits while its class's share of the window has room"
+            len(running) >= cfg.class_window(w.klass, window)
+            for w in queued
+            if w.tenant not in blocked
+        ), "work-conserving: nothing that may go waits while its class's share of the window has room"
+
+
+# --- cost-based fair share, in-flight token quotas, moving windows --------------------------
+
+LONG, SHORT = 10 + 2 * 128, 10 + 2 * 8  # prompt + 2 x max_tokens
+
+
+def backlog_long_and_short(h: Harness, requests: int = 400) -> None:
+    for _ in range(requests):
+        h.submit("long", "standard", cost=LONG)
+        h.submit("short", "standard", cost=SHORT)
+
+
+def test_fair_share_counts_cost_not_requests() -> None:
+    h = Harness(config())
+    backlog_long_and_short(h)
+    served = Counter[str]()
+    for _ in range(300):
+        waiter = h.next_dispatched()
+        served[waiter.tenant] += int(waiter.cost)
+    # Equal weights: equal service, within one long request.
+    assert abs(served["long"] - served["short"]) <= LONG, served
+
+
+def test_per_request_fair_share_is_available_and_is_unfair_in_tokens() -> None:
+    h = Harness(config(fair_share="requests"))
+    backlog_long_and_short(h)
+    dispatched = Counter(h.next_dispatched().tenant for _ in range(300))
+    assert dispatched["long"] == dispatched["short"] == 150  # every request counts 1
+
+
+def test_settling_the_real_cost_moves_the_tenant_tag() -> None:
+    h = Harness(config())
+    for _ in range(20):
+        h.submit("a", "standard", cost=1000)
+        h.submit("b", "standard", cost=100)
+    first = h.next_dispatched()
+    assert first.tenant == "a"
+    # Charged 1000, b would now get ten dispatches first; but the request stopped early
+    # and really cost 10, so a is owed all but 10 of it and goes again right after b's first.
+    h.core.settle(first, 10)
+    assert [h.next_dispatched().tenant for _ in range(2)] == ["b", "a"]
+    assert h.core.snapshot().served[(MODEL, "a")] == 10  # released by the dispatch after it
+
+
+def test_a_tenant_returning_from_idle_is_lifted_to_the_busy_ones() -> None:
+    h = Harness(config())
+    for _ in range(100):
+        h.submit("busy", "standard", cost=50)
+    for _ in range(40):
+        h.next_dispatched()
+    for _ in range(20):
+        h.submit("late", "standard", cost=50)
+    tenants = Counter(h.next_dispatched().tenant for _ in range(20))
+    assert tenants == {"busy": 10, "late": 10}
+
+
+def test_service_while_uncontended_is_not_held_against_a_tenant() -> None:
+    h = Harness(config(window=4), fill_window=False)
+    # "heavy" alone, every request dispatched at once: it is charged, and the class's
+    # virtual time follows it, so "light" arriving later cannot bank its absence.
+    for _ in range(4):
+        assert h.submit("heavy", "standard", cost=1000).state is WaiterState.DISPATCHED
+        h.release()
+    for _ in range(4):
+        h.submit("filler", "critical")
+    for _ in range(10):
+        h.submit("heavy", "standard", cost=1000)
+        h.submit("light", "standard", cost=1000)
+    tenants = Counter(h.next_dispatched().tenant for _ in range(10))
+    assert abs(tenants["heavy"] - tenants["light"]) <= 1, tenants
+
+
+def test_inflight_token_quota_queues_the_tenant_and_lets_others_pass() -> None:
+    h = Harness(config(window=8), fill_window=False)
+    greedy = [h.submit("greedy", "standard", tokens=300, token_quota=1000) for _ in range(5)]
+    assert [w.state for w in greedy] == [WaiterState.DISPATCHED] * 3 + [WaiterState.QUEUED] * 2
+    # The window has room: another tenant goes at once, past greedy's queued requests.
+    assert h.submit("other", "standard", tokens=300, token_quota=1000).state is WaiterState.DISPATCHED
+    assert h.release(greedy[1]) == [greedy[3]]  # its tokens freed: its next request goes
+    assert greedy[4].state is WaiterState.QUEUED
+
+
+def test_a_request_larger_than_the_inflight_token_quota_is_refused() -> None:
+    h = Harness(config(window=8), fill_window=False)
+    with pytest.raises(QuotaExceeded, match="max_inflight_tokens 100"):
+        h.submit("t", "standard", tokens=101, token_quota=100)
+
+
+def test_freed_tokens_on_one_model_release_the_tenant_on_another() -> None:
+    core = SchedulingCore(config(window=8))
+    first = Waiter("t", 1.0, "standard", MODEL, None, 0.0, tokens=60, token_quota=100)
+    other = Waiter("t", 1.0, "standard", "other", None, 0.0, tokens=60, token_quota=100)
+    core.submit(first, 0.0)
+    core.submit(other, 0.0)
+    assert other.state is WaiterState.QUEUED
+    assert list(core.release(first, 0.0)) == [other]
+    assert other.state is WaiterState.DISPATCHED
+
+
+def test_a_larger_window_dispatches_at_once_and_a_smaller_one_as_requests_finish() -> None:
+    h = Harness(config(window=2, window_reserve=0.5), fill_window=False)
+    batch = [h.submit("bulk", "batch") for _ in range(6)]
+    assert sum(w.state is WaiterState.DISPATCHED for w in batch) == 1  # batch's share of 2
+    assert len(h.resize(8)) == 3  # batch may now fill 4 of 8 (nested reservation)
+    assert h.core.snapshot().window == {MODEL: 8}
+    assert h.resize(2) == []  # nothing recalled...
+    assert h.release() == [] and h.release() == [] and h.release() == []  # ...none refilled
+    (refill,) = h.release()  # below batch's share of 2 again
+    assert refill.state is WaiterState.DISPATCHED and h.core.snapshot().in_flight == {MODEL: 1}

@@ -1,6 +1,17 @@
-"""Who goes next: class priority with a floor, tenant fair share, per-model dispatch windows."""
+"""Who goes next: class priority with a floor, tenant fair share on each request's cost,
+per-model dispatch windows (fixed or self-sizing)."""
 
 from qosgate.scheduler.aio import Dispatch, Scheduler
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
+from qosgate.scheduler.window import EngineLoad, WindowController
 
-__all__ = ["Dispatch", "Scheduler", "SchedulerSnapshot", "SchedulingCore", "Waiter", "WaiterState"]
+__all__ = [
+    "Dispatch",
+    "EngineLoad",
+    "Scheduler",
+    "SchedulerSnapshot",
+    "SchedulingCore",
+    "Waiter",
+    "WaiterState",
+    "WindowController",
+]

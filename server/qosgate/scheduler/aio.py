@@ -3,13 +3,16 @@
 Cheap on the hot path: a request that finds room in the window never touches the event
 loop; a queued one waits on its own Future, resolved exactly when the core hands it a slot
 (no tasks, no polling), with one timer handle for its deadline.
+
+Models with `dispatch_window: auto` have a WindowController each, fed by the dispatches'
+first-response latency (`Dispatch.responded`) and the engines' load (`engine_load`); it
+is asked to decide as requests finish and as engine readings arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 
 from qosgate.auth import Tenant
@@ -17,14 +20,32 @@ from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
 from qosgate.errors import DeadlineExceeded
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
+from qosgate.scheduler.window import EngineLoad, WindowController
 
 
-@dataclass(frozen=True, slots=True)
 class Dispatch:
-    """A granted slot: how long the request waited and the Triton priority level to send."""
+    """A granted slot: how long the request waited and the Triton priority level to send;
+    through it the call site reports the first response and the request's real cost."""
 
-    queue_wait_s: float
-    priority_level: int
+    __slots__ = ("_responded", "_scheduler", "_waiter", "dispatched_at", "priority_level", "queue_wait_s")
+
+    def __init__(self, scheduler: Scheduler, waiter: Waiter, queue_wait_s: float, priority_level: int) -> None:
+        self._scheduler = scheduler
+        self._waiter = waiter
+        self._responded = False
+        self.queue_wait_s = queue_wait_s
+        self.priority_level = priority_level
+        self.dispatched_at = scheduler._clock.now()
+
+    def responded(self) -> None:
+        """The engine's first response arrived: a latency sample for an `auto` window."""
+        if not self._responded:
+            self._responded = True
+            self._scheduler._latency(self._waiter, self._scheduler._clock.now() - self.dispatched_at)
+
+    def settle(self, cost: float) -> None:
+        """The request's real cost (same unit as the `cost` it was scheduled with)."""
+        self._scheduler._core.settle(self._waiter, cost)
 
 
 class Scheduler:
@@ -34,31 +55,84 @@ class Scheduler:
     """
 
     def __init__(self, config: GatewayConfig, clock: Clock) -> None:
+        self._config = config
         self._core = SchedulingCore(config)
         self._clock = clock
+        self._windows: dict[str, WindowController | None] = {}
 
-    def slot(self, *, tenant: Tenant, klass: str, model: str, deadline: float | None) -> _Slot:
+    def slot(
+        self,
+        *,
+        tenant: Tenant,
+        klass: str,
+        model: str,
+        deadline: float | None,
+        cost: float = 1.0,
+        tokens: int = 0,
+    ) -> _Slot:
         """Wait for a dispatch slot of `model`; leaving the context frees it.
 
+        `cost` is the request's estimated fair-share cost (`Dispatch.settle` corrects it);
+        `tokens` what it holds at the engine against the tenant's `max_inflight_tokens`.
         `deadline` is on the scheduler's clock. Raises DeadlineExceeded if it passes while
-        queued, Unavailable if the request is shed or its queue is full, InvalidArgument for
-        an unknown class. A waiter cancelled while queued is removed from its queue.
+        queued, Unavailable if the request is shed or its queue is full, QuotaExceeded if
+        it alone exceeds the tenant's in-flight tokens, InvalidArgument for an unknown
+        class. A waiter cancelled while queued is removed from its queue.
         """
-        return _Slot(self, Waiter(tenant.name, tenant.weight, klass, model, deadline, 0.0))
+        waiter = Waiter(
+            tenant.name,
+            tenant.weight,
+            klass,
+            model,
+            deadline,
+            0.0,
+            cost=cost,
+            tokens=tokens,
+            token_quota=tenant.limits.max_inflight_tokens if tokens else None,
+        )
+        return _Slot(self, waiter)
 
     def snapshot(self) -> SchedulerSnapshot:
         return self._core.snapshot()
+
+    def engine_load(self, model: str, load: EngineLoad) -> None:
+        """The engines' latest saturation reading for `model` (ignored unless it is `auto`)."""
+        controller = self._controller(model)
+        if controller is not None:
+            controller.engine_load(load, self._clock.now())
+            self._resize(model, controller)
+
+    def _controller(self, model: str) -> WindowController | None:
+        if model not in self._windows:
+            policy = self._config.model_policy(model)
+            self._windows[model] = (
+                WindowController(policy.window_min, policy.window_max, policy.initial_window())
+                if policy.dispatch_window == "auto"
+                else None
+            )
+        return self._windows[model]
+
+    def _latency(self, waiter: Waiter, seconds: float) -> None:
+        controller = self._controller(waiter.model)
+        if controller is not None:
+            controller.latency(seconds)
+
+    def _resize(self, model: str, controller: WindowController) -> None:
+        _, in_flight, queued = self._core.window(model)
+        window = controller.decide(self._clock.now(), queued=queued, in_flight=in_flight)
+        if window is not None:
+            self._resolve(self._core.resize(model, window, self._clock.now()))
 
     async def _acquire(self, waiter: Waiter) -> Dispatch:
         core = self._core
         now = self._clock.now()
         waiter.arrived_at = now
         level = core.level(waiter.klass) + 1
-        self._settle(core.submit(waiter, now))
+        self._resolve(core.submit(waiter, now))
         # Not narrowed by an `if` on the state: the await below changes it behind mypy's back.
         dispatched_at_once = waiter.state is WaiterState.DISPATCHED
         if dispatched_at_once:
-            return Dispatch(queue_wait_s=0.0, priority_level=level)
+            return Dispatch(self, waiter, 0.0, level)
         loop = asyncio.get_running_loop()
         future = waiter.future = loop.create_future()
         timer = None
@@ -74,12 +148,15 @@ class Scheduler:
         finally:
             if timer is not None:
                 timer.cancel()
-        return Dispatch(queue_wait_s=self._clock.now() - waiter.arrived_at, priority_level=level)
+        return Dispatch(self, waiter, self._clock.now() - waiter.arrived_at, level)
 
     def _release(self, waiter: Waiter) -> None:
-        self._settle(self._core.release(waiter.model, self._clock.now()))
+        self._resolve(self._core.release(waiter, self._clock.now()))
+        controller = self._controller(waiter.model)
+        if controller is not None:
+            self._resize(waiter.model, controller)
 
-    def _settle(self, decided: Sequence[Waiter]) -> None:
+    def _resolve(self, decided: Sequence[Waiter]) -> None:
         for waiter in decided:
             future = waiter.future
             if future is None or future.done():

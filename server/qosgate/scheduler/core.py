@@ -4,10 +4,15 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
 - Between classes: strict priority, except that every lower class earns a credit of its
   floor share on each dispatch while it has work; a class whose credit reaches 1 is served
   next. A class with floor f thus gets at least a fraction f of dispatches while it waits.
-- Between tenants of a class: start-time fair queueing (virtual time). Each dispatch
-  advances a tenant's tag by 1/weight, the tenant with the smallest tag goes next, and a
-  tenant that was idle re-enters at the class's current virtual time (no banked credit).
-- A dispatch window per model caps requests in flight upstream; the rest wait here.
+- Between tenants of a class: start-time fair queueing (virtual time) on each request's
+  cost, in the manner of VTC ("Fairness in Serving Large Language Models", OSDI'24): each
+  dispatch advances a tenant's tag by cost/weight, the tenant with the smallest tag goes
+  next, and a tenant that was idle re-enters at the class's current virtual time, the
+  tag of the least-served backlogged tenant (no banked credit). The cost is an estimate
+  at dispatch (an LLM request: prompt + w x max_tokens); `settle` corrects the tag with
+  the real cost when the request finishes. With `fair_share: requests` every cost is 1.
+- A dispatch window per model caps requests in flight upstream; the rest wait here. The
+  window may move (`resize`: the self-sizing window of a model set to `auto`).
   Lower classes may fill only part of it (nested reservations, `window_reserve`): a class
   dispatches while fewer than its own limit are in flight, so the slots above a lower
   class's limit stay free for the classes above it. A class whose floor credit is due
@@ -15,6 +20,8 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
 - A request whose deadline has passed is dropped instead of dispatched.
+- A tenant's in-flight tokens (`max_inflight_tokens`) are capped: its requests wait
+  queued while dispatching the next would exceed the cap; other tenants pass them.
 
 Removal from the middle of a queue (cancel, deadline) is lazy: the waiter is marked and
 skipped when it reaches the head, so every operation is O(1) in the queue length.
@@ -24,12 +31,19 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qosgate.config import GatewayConfig
-from qosgate.errors import DeadlineExceeded, GatewayError, InvalidArgument, Unavailable
+from qosgate.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidArgument,
+    QuotaExceeded,
+    QuotaViolation,
+    Unavailable,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -56,6 +70,11 @@ class Waiter:
     model: str
     deadline: float | None
     arrived_at: float
+    # What a dispatch charges the tenant's fair-share tag (before dividing by its weight).
+    cost: float = 1.0
+    # Tokens it holds at the engine while in flight, against `token_quota` (None: no cap).
+    tokens: int = 0
+    token_quota: int | None = None
     state: WaiterState = WaiterState.PENDING
     error: GatewayError | None = None
     # The async wrapper's handle on the waiting coroutine; the core never touches it.
@@ -119,15 +138,48 @@ class _ClassQueue:
             del self.backlogged[queue.name]
             queue.waiters.clear()  # only marked (withdrawn) waiters can be left
 
-    def pop_fairest(self) -> Waiter:
-        chosen = min(self.backlogged.values(), key=_start_tag)
+    def fairest(self, fits: Callable[[Waiter], bool]) -> _TenantQueue | None:
+        """The backlogged tenant with the smallest tag whose head request `fits`."""
+        best: _TenantQueue | None = None
+        for queue in self.backlogged.values():
+            if (best is None or queue.start < best.start) and fits(queue.head()):
+                best = queue
+        return best
+
+    def pop_from(self, chosen: _TenantQueue) -> Waiter:
         waiter = chosen.head()
         chosen.waiters.popleft()
         self.vtime = chosen.start
-        chosen.finish = chosen.start + 1.0 / chosen.weight
+        chosen.finish = chosen.start + waiter.cost / chosen.weight
         chosen.start = chosen.finish
         self._taken(chosen)
         return waiter
+
+    def charge_at_once(self, waiter: Waiter) -> None:
+        """Charge a request dispatched without queueing (nothing of its class was waiting).
+
+        The class's virtual time follows it, so a tenant arriving later is lifted to the
+        level of those served meanwhile instead of banking the time it was away.
+        """
+        queue = self.tenants.get(waiter.tenant)
+        if queue is None:
+            queue = self.tenants[waiter.tenant] = _TenantQueue(waiter.tenant)
+        queue.weight = waiter.weight
+        start = max(self.vtime, queue.finish)
+        self.vtime = start
+        queue.finish = queue.start = start + waiter.cost / queue.weight
+
+    def has_queued(self, tenant: str) -> bool:
+        queue = self.backlogged.get(tenant)
+        return queue is not None
+
+    def correct(self, waiter: Waiter, delta: float) -> None:
+        """Move the tenant's tags by a dispatched request's cost correction."""
+        queue = self.tenants[waiter.tenant]
+        shift = delta / queue.weight
+        queue.finish += shift
+        if queue.live:
+            queue.start += shift
 
     def pop_victim(self) -> Waiter:
         """The newest request of the tenant with the most queued (ties: the most served)."""
@@ -142,10 +194,6 @@ class _ClassQueue:
         self._taken(self.tenants[waiter.tenant])
 
 
-def _start_tag(queue: _TenantQueue) -> float:
-    return queue.start
-
-
 def _shedding_order(queue: _TenantQueue) -> tuple[int, float]:
     return (queue.live, queue.start)
 
@@ -158,20 +206,29 @@ class _ModelQueues:
     in_flight: int = 0
     queued: int = 0
 
-    def pop_next(self) -> Waiter | None:
+    def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
-        by a lower class whose floor credit has come due; None if no class may dispatch."""
-        top: _ClassQueue | None = None
-        due: _ClassQueue | None = None
+        by a lower class whose floor credit has come due; None if no class may dispatch.
+        Only requests that `fits` (their tenant's in-flight tokens) are considered."""
+        top: tuple[_ClassQueue, _TenantQueue] | None = None
+        due: tuple[_ClassQueue, _TenantQueue] | None = None
+        due_credit = 0.0
         for queue in self.classes:
             if not queue.live:
                 queue.credit = 0.0  # no banking of share while idle
                 continue
-            if top is None and self.in_flight < queue.window:
-                top = queue
             credit = queue.credit + queue.floor
-            if credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due.credit + due.floor):
-                due = queue
+            is_due = credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due_credit)
+            wants_top = top is None and self.in_flight < queue.window
+            if not (is_due or wants_top):
+                continue
+            tenant = queue.fairest(fits)
+            if tenant is None:
+                continue
+            if wants_top:
+                top = (queue, tenant)
+            if is_due:
+                due, due_credit = (queue, tenant), credit
         chosen = due or top
         if chosen is None:
             return None
@@ -179,17 +236,22 @@ class _ModelQueues:
         for queue in self.classes:
             if queue.live:
                 queue.credit += queue.floor
-        chosen.credit = max(0.0, chosen.credit - 1.0)
+        klass, tenant = chosen
+        klass.credit = max(0.0, klass.credit - 1.0)
         self.queued -= 1
-        return chosen.pop_fairest()
+        return klass.pop_from(tenant)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
-    """Queue depth per (model, class, tenant) and requests in flight per model, for metrics."""
+    """Queue depth per (model, class, tenant), requests in flight and window per model, and
+the service each tenant attained, for metrics."""
 
     queued: dict[tuple[str, str, str], int]
     in_flight: dict[str, int]
+    window: dict[str, int]
+    # Cost of the requests each (model, tenant) finished: weighted tokens for an LLM.
+    served: dict[tuple[str, str], float]
 
 
 class SchedulingCore:
@@ -199,21 +261,25 @@ class SchedulingCore:
         self._config = config
         self._levels = {klass: i for i, klass in enumerate(config.classes)}
         self._sheddable = frozenset(config.sheddable_classes())
+        self._by_cost = config.scheduler.fair_share == "cost"
         self._models: dict[str, _ModelQueues] = {}
+        self._tenant_tokens: dict[str, int] = {}  # tokens in flight, per tenant
+        self._served: dict[tuple[str, str], float] = {}
 
     def _queues(self, model: str) -> _ModelQueues:
         queues = self._models.get(model)
         if queues is None:
             config = self._config
             policy = config.model_policy(model)
+            window = policy.initial_window()
             queues = self._models[model] = _ModelQueues(
-                window=policy.dispatch_window,
+                window=window,
                 max_queued=policy.max_queued,
                 classes=[
                     _ClassQueue(
                         name=klass,
                         floor=config.floor_share(klass),
-                        window=config.class_window(klass, policy.dispatch_window),
+                        window=config.class_window(klass, window),
                         max_length=config.max_queue_length(klass),
                         sheddable=klass in self._sheddable,
                     )
@@ -221,6 +287,11 @@ class SchedulingCore:
                 ],
             )
         return queues
+
+    def _fits(self, waiter: Waiter) -> bool:
+        """Whether dispatching `waiter` keeps its tenant within its in-flight token quota."""
+        quota = waiter.token_quota
+        return quota is None or self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens <= quota
 
     def level(self, klass: str) -> int:
         """Position of a class, 0 for the highest; InvalidArgument if unknown."""
@@ -233,16 +304,31 @@ class SchedulingCore:
         """Dispatch `waiter` at once if the window has room, else queue it.
 
         Returns other waiters this decided (shed to make room, state DROPPED with `error`).
-        Raises Unavailable (queue full or overload with nothing to shed) or DeadlineExceeded.
+        Raises Unavailable (queue full or overload with nothing to shed), DeadlineExceeded,
+        or QuotaExceeded (the request alone holds more tokens than its tenant's quota).
         """
         level = self.level(waiter.klass)
+        if not self._by_cost:
+            waiter.cost = 1.0
+        if waiter.token_quota is not None and waiter.tokens > waiter.token_quota:
+            raise QuotaExceeded(
+                f"quota exceeded: the request holds {waiter.tokens} tokens (prompt + max_tokens), "
+                f"more than max_inflight_tokens {waiter.token_quota}; lower max_tokens",
+                self._config.scheduler.shed_retry_after_s,
+                (QuotaViolation(f"tenant:{waiter.tenant}", "max_inflight_tokens"),),
+            )
         model = self._queues(waiter.model)
         klass = model.classes[level]
-        # Nothing of this class or above can be queued while in_flight is below this
-        # class's limit (release() fills every class up to its limit), so room suffices.
-        if model.in_flight < klass.window:
-            model.in_flight += 1
-            waiter.state = WaiterState.DISPATCHED
+        # Nothing of this class or above that could go is queued while in_flight is below
+        # this class's limit (every event that frees room or tokens refills), so room, the
+        # tenant's token quota and its FIFO order (nothing of it waiting) suffice.
+        if (
+            model.in_flight < klass.window
+            and self._fits(waiter)
+            and not klass.has_queued(waiter.tenant)
+        ):
+            klass.charge_at_once(waiter)
+            self._dispatch(model, waiter)
             return _NOTHING
         if waiter.deadline is not None and waiter.deadline <= now:
             raise DeadlineExceeded("deadline exceeded before the request could be queued")
@@ -271,29 +357,65 @@ class SchedulingCore:
         waiter.state = WaiterState.QUEUED
         return shed
 
-    def release(self, model_name: str, now: float) -> Sequence[Waiter]:
-        """A dispatched request of `model_name` finished: refill its window.
+    def _dispatch(self, model: _ModelQueues, waiter: Waiter) -> None:
+        model.in_flight += 1
+        if waiter.tokens:
+            self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
+        waiter.state = WaiterState.DISPATCHED
+
+    def settle(self, waiter: Waiter, cost: float) -> None:
+        """A dispatched request's real cost is known (it finished): correct its tenant's tag
+        by the difference from the estimate it was charged."""
+        if waiter.state is not WaiterState.DISPATCHED or not self._by_cost:
+            return
+        model = self._models[waiter.model]
+        model.classes[self._levels[waiter.klass]].correct(waiter, cost - waiter.cost)
+        waiter.cost = cost
+
+    def release(self, waiter: Waiter, now: float) -> Sequence[Waiter]:
+        """A dispatched request finished: count its service, refill its model's window (and
+        other models' where its tenant's freed tokens let a waiter go).
 
         Returns the waiters decided: DISPATCHED ones, and DROPPED ones whose deadline had
         passed (with a DeadlineExceeded `error`).
         """
-        model = self._models[model_name]
+        model = self._models[waiter.model]
         model.in_flight -= 1
-        if not model.queued:
-            return _NOTHING
+        key = (waiter.model, waiter.tenant)
+        self._served[key] = self._served.get(key, 0.0) + waiter.cost
         decided: list[Waiter] = []
+        if waiter.tokens:
+            self._tenant_tokens[waiter.tenant] -= waiter.tokens
+            if waiter.token_quota is not None:
+                for other in self._models.values():
+                    if other is not model:
+                        self._fill(other, now, decided)
+        self._fill(model, now, decided)
+        return decided
+
+    def resize(self, model_name: str, window: int, now: float) -> Sequence[Waiter]:
+        """Set a model's dispatch window (and its classes' nested limits); a larger window
+        dispatches waiters at once, returned as `release` returns them. A smaller one
+        takes effect as requests finish: nothing in flight is recalled."""
+        model = self._queues(model_name)
+        model.window = window
+        for klass in model.classes:
+            klass.window = self._config.class_window(klass.name, window)
+        decided: list[Waiter] = []
+        self._fill(model, now, decided)
+        return decided
+
+    def _fill(self, model: _ModelQueues, now: float, decided: list[Waiter]) -> None:
         while model.in_flight < model.window and model.queued:
-            waiter = model.pop_next()
+            waiter = model.pop_next(self._fits)
             if waiter is None:
                 break
             if waiter.deadline is not None and waiter.deadline <= now:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
             else:
-                model.in_flight += 1
-                waiter.state = WaiterState.DISPATCHED
+                self._dispatch(model, waiter)
             decided.append(waiter)
-        return decided
 
     def withdraw(self, waiter: Waiter) -> bool:
         """Remove a queued waiter (cancelled or timed out); False if it was no longer queued."""
@@ -305,6 +427,11 @@ class SchedulingCore:
         model.queued -= 1
         return True
 
+    def window(self, model_name: str) -> tuple[int, int, int]:
+        """A model's (window, in flight, queued) now."""
+        model = self._queues(model_name)
+        return model.window, model.in_flight, model.queued
+
     def snapshot(self) -> SchedulerSnapshot:
         queued: dict[tuple[str, str, str], int] = {}
         for model_name, model in self._models.items():
@@ -312,5 +439,8 @@ class SchedulingCore:
                 for tenant in klass.tenants.values():
                     queued[(model_name, klass.name, tenant.name)] = tenant.live
         return SchedulerSnapshot(
-            queued=queued, in_flight={name: m.in_flight for name, m in self._models.items()}
+            queued=queued,
+            in_flight={name: m.in_flight for name, m in self._models.items()},
+            window={name: m.window for name, m in self._models.items()},
+            served=dict(self._served),
         )

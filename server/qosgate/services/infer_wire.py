@@ -21,7 +21,10 @@ from dataclasses import dataclass
 _MODEL_NAME = 1
 _ID = 3
 _PARAMETERS = 4
+_REQUEST_INPUTS = 5
 _RESPONSE_OUTPUTS = 5
+# InferInputTensor
+_INPUT_SHAPE = 3
 # ModelStreamInferResponse
 _STREAM_ERROR = 1
 _STREAM_INFER_RESPONSE = 2
@@ -126,15 +129,22 @@ class InferRequestHead:
     model_name: str = ""
     id: str = ""
     wants_empty_final: bool = False
+    rows: int = 1
+    """The first dimension of the first input's shape: the batch size (the `text` cost)."""
 
 
 def peek_request(buf: bytes) -> InferRequestHead:
-    """Read model_name, id and the empty-final-response opt-in; tensors are skipped."""
+    """Read model_name, id, the empty-final-response opt-in and the batch rows; tensor
+    contents are skipped."""
     head = InferRequestHead()
+    first_input = True
     for number, wire_type, start, end in _fields(buf):
         if wire_type != _LEN:
             continue
-        if number == _MODEL_NAME:
+        if number == _REQUEST_INPUTS and first_input:
+            first_input = False
+            head.rows = _first_dimension(buf[start:end], head.rows)
+        elif number == _MODEL_NAME:
             head.model_name = buf[start:end].decode("utf-8", "replace")
         elif number == _ID:
             head.id = buf[start:end].decode("utf-8", "replace")
@@ -143,6 +153,18 @@ def peek_request(buf: bytes) -> InferRequestHead:
             if _map_entry_key(entry) == EMPTY_FINAL_PARAM:
                 head.wants_empty_final = bool(_map_entry_bool(entry))
     return head
+
+
+def _first_dimension(tensor: bytes, default: int) -> int:
+    """shape[0] of an InferInputTensor (packed or not), or `default` if it has no shape."""
+    for number, wire_type, start, end in _fields(tensor):
+        if number != _INPUT_SHAPE:
+            continue
+        if wire_type == _LEN:
+            return _read_varint(tensor, start)[0] if end > start else default
+        if wire_type == _VARINT:
+            return _read_varint(tensor, start)[0]
+    return default
 
 
 @dataclass(slots=True)

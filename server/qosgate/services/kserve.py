@@ -31,9 +31,11 @@ from tritonclient.grpc import service_pb2
 from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
+from qosgate.config import GatewayConfig
 from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused
 from qosgate.scheduler import Scheduler
+from qosgate.scheduler.cost import unit_cost
 from qosgate.services import infer_wire, status
 from qosgate.services.headers import text_headers
 from qosgate.tls import client_certificate
@@ -87,6 +89,7 @@ class KServeService:
     def __init__(
         self,
         *,
+        config: GatewayConfig,
         directory: TenantDirectory,
         admission: Admission,
         scheduler: Scheduler,
@@ -94,6 +97,7 @@ class KServeService:
         metrics: GatewayMetrics,
         clock: Clock,
     ) -> None:
+        self._config = config
         self._directory = directory
         self._admission = admission
         self._scheduler = scheduler
@@ -186,6 +190,10 @@ class KServeService:
         self._directory.require_model(tenant, model)
         return self._directory.resolve_class(tenant, metadata.get(PRIORITY_HEADER))
 
+    def _cost(self, head: infer_wire.InferRequestHead, request: bytes) -> float:
+        unit = self._config.model_policy(head.model_name).cost_unit
+        return unit_cost(unit, texts=head.rows, size=len(request))
+
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining = context.time_remaining()
         return None if remaining is None else self._clock.now() + remaining
@@ -234,7 +242,8 @@ class KServeService:
         metadata = text_headers(context)
         tenant = self._directory.identify(metadata, client_certificate(context))
         outcome.tenant = tenant.name
-        model = _peek(request).model_name
+        head = _peek(request)
+        model = head.model_name
         klass = self._authorize(tenant, metadata, model)
         outcome.model, outcome.klass = model, klass
         verdict = await self._admission.admit(tenant)
@@ -243,7 +252,7 @@ class KServeService:
         deadline = self._deadline(context)
         try:
             async with self._scheduler.slot(
-                tenant=tenant, klass=klass, model=model, deadline=deadline
+                tenant=tenant, klass=klass, model=model, deadline=deadline, cost=self._cost(head, request)
             ) as dispatch:
                 self._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
                 fragment, timeout = self._dispatch_fragment(dispatch.priority_level, deadline)
@@ -252,6 +261,7 @@ class KServeService:
                     started = time.perf_counter()
                     try:
                         response = await upstream.unary("ModelInfer")(request + fragment, timeout=timeout)
+                        dispatch.responded()
                     except grpc.aio.AioRpcError as e:
                         outcome.code = e.code().name
                         await self._pass_through(upstream, e, context)
@@ -413,7 +423,7 @@ class _StreamSession:
                 raise verdict.error()
             deadline = svc._deadline(self._context)
             async with svc._scheduler.slot(
-                tenant=tenant, klass=klass, model=head.model_name, deadline=deadline
+                tenant=tenant, klass=klass, model=head.model_name, deadline=deadline, cost=svc._cost(head, raw)
             ) as dispatch:
                 svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
                 fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)

@@ -1,0 +1,133 @@
+"""The engines' saturation, read off Triton's Prometheus metrics port, for `auto` windows.
+
+Per model, summed over the upstreams that set `metrics_url`: requests waiting inside the
+engine, and the largest KV-cache use. The metrics read (the first family found wins):
+
+| engine                          | waiting requests                            | KV-cache use                                      |
+|---------------------------------|---------------------------------------------|---------------------------------------------------|
+| our vLLM backend                | `vllm_engine_requests_waiting`              | `vllm_engine_kv_cache_usage` (0..1)               |
+| NVIDIA's vLLM backend           | `vllm:num_requests_waiting`                 | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` (0..1) |
+| NVIDIA's TensorRT-LLM backend   | `nv_trt_llm_request_metrics{request_type="waiting"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
+
+All carry a `model` label (Triton's model name). A model none of them names has no
+engine reading: its window moves on dispatch latency alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from qosgate.scheduler.window import EngineLoad
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.5
+_TIMEOUT_S = 2.0
+
+_WAITING = ("vllm_engine_requests_waiting", "vllm:num_requests_waiting")
+_KV_USAGE = ("vllm_engine_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_TRTLLM_REQUESTS = "nv_trt_llm_request_metrics"
+_TRTLLM_KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
+
+
+@dataclass(slots=True)
+class _Reading:
+    waiting: float = 0.0
+    kv_cache_usage: float | None = None
+    trtllm_kv: dict[str, float] = field(default_factory=dict)
+
+
+def parse_engine_load(text: str) -> dict[str, EngineLoad]:
+    """The engine load per model named in one Prometheus text exposition."""
+    readings: dict[str, _Reading] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None:
+                continue
+            reading = readings.setdefault(model, _Reading())
+            name = sample.name
+            if name in _WAITING:
+                reading.waiting += sample.value
+            elif name in _KV_USAGE:
+                reading.kv_cache_usage = max(reading.kv_cache_usage or 0.0, sample.value)
+            elif name == _TRTLLM_REQUESTS and sample.labels.get("request_type") == "waiting":
+                reading.waiting += sample.value
+            elif name == _TRTLLM_KV_BLOCKS:
+                reading.trtllm_kv[sample.labels.get("kv_cache_block_type", "")] = sample.value
+    loads: dict[str, EngineLoad] = {}
+    for model, reading in readings.items():
+        usage = reading.kv_cache_usage
+        blocks = reading.trtllm_kv
+        if usage is None and blocks.get("max"):
+            usage = blocks.get("used", 0.0) / blocks["max"]
+        loads[model] = EngineLoad(waiting=reading.waiting, kv_cache_usage=usage)
+    return loads
+
+
+def _merge(loads: Iterable[dict[str, EngineLoad]]) -> dict[str, EngineLoad]:
+    merged: dict[str, EngineLoad] = {}
+    for per_model in loads:
+        for model, load in per_model.items():
+            seen = merged.get(model)
+            if seen is None:
+                merged[model] = load
+                continue
+            usages = [u for u in (seen.kv_cache_usage, load.kv_cache_usage) if u is not None]
+            merged[model] = EngineLoad(seen.waiting + load.waiting, max(usages) if usages else None)
+    return merged
+
+
+class EngineLoadReader:
+    """Scrapes each metrics URL every POLL_INTERVAL_S and hands each model's load on."""
+
+    def __init__(self, urls: Iterable[str], publish: Callable[[str, EngineLoad], None]) -> None:
+        self._urls = list(urls)
+        self._publish = publish
+        self._task: asyncio.Task[None] | None = None
+        self._failing: set[str] = set()
+
+    def start(self) -> None:
+        if self._urls:
+            self._task = asyncio.get_running_loop().create_task(self._poll(), name="engine load")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            texts = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in self._urls))
+            merged = _merge(self._parse(text) for text in texts if text is not None)
+            for model, load in merged.items():
+                self._publish(model, load)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    @staticmethod
+    def _parse(text: str) -> dict[str, EngineLoad]:
+        try:
+            return parse_engine_load(text)
+        except ValueError as e:  # not Prometheus text: nothing to learn from it
+            log.warning("unreadable engine metrics: %s", e)
+            return {}
+
+    def _fetch(self, url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
+                text: str = response.read().decode("utf-8", "replace")
+        except (OSError, ValueError) as e:
+            # Logged once per outage: a metrics port that is down must not flood the log.
+            if url not in self._failing:
+                self._failing.add(url)
+                log.warning("cannot read engine metrics at %s: %s", url, e)
+            return None
+        self._failing.discard(url)
+        return text

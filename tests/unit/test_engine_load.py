@@ -1,0 +1,53 @@
+"""Reading the engines' saturation off Triton's metrics text (the three engines we know)."""
+
+from __future__ import annotations
+
+from qosgate.scheduler import EngineLoad
+from qosgate.upstream.engine_load import parse_engine_load
+
+OURS = """\
+# HELP vllm_engine_requests_waiting Requests queued in the engine's scheduler
+# TYPE vllm_engine_requests_waiting gauge
+vllm_engine_requests_waiting{model="smollm2",version="1"} 3
+# HELP vllm_engine_kv_cache_usage Fraction of the engine's KV cache in use
+# TYPE vllm_engine_kv_cache_usage gauge
+vllm_engine_kv_cache_usage{model="smollm2",version="1"} 0.42
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="minilm",version="1"} 7
+"""
+
+NVIDIA_VLLM = """\
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model="llama",version="1"} 5
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model="llama",version="1"} 0.93
+"""
+
+TRTLLM = """\
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="waiting",version="1"} 2
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active",version="1"} 30
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm",version="1"} 300
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 400
+"""
+
+
+def test_our_vllm_backend() -> None:
+    loads = parse_engine_load(OURS)
+    assert loads["smollm2"] == EngineLoad(waiting=3, kv_cache_usage=0.42)
+    # A model whose metrics say nothing about an engine has no saturation reading.
+    assert loads["minilm"] == EngineLoad(waiting=0, kv_cache_usage=None)
+
+
+def test_nvidia_vllm_backend() -> None:
+    assert parse_engine_load(NVIDIA_VLLM)["llama"] == EngineLoad(waiting=5, kv_cache_usage=0.93)
+
+
+def test_nvidia_tensorrt_llm_backend() -> None:
+    assert parse_engine_load(TRTLLM)["tensorrt_llm"] == EngineLoad(waiting=2, kv_cache_usage=0.75)
