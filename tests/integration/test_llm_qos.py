@@ -1,0 +1,186 @@
+"""LLM-aware QoS on the real engine: fair share counted in tokens, and the in-flight token
+quota, through a real gateway (in-process, port 0) in front of smollm2 on real Triton.
+
+The fairness test runs the same saturating load twice, on two gateways that differ only
+in `scheduler.fair_share`: counted in tokens the two tenants get about the same token
+service; counted in requests, the one with long generations gets many times more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from qosgate.launcher import LocalTriton
+from qosgate.v1 import generation_pb2, generation_pb2_grpc
+from conftest import require_model
+from gateway_harness import GatewayThread, bearer, gateway_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# Greedy SmolLM2 counts on to max_tokens from this prompt: every request runs its length.
+COUNTING_PROMPT = "The numbers from one to one thousand: 1, 2, 3, 4,"
+LONG_TOKENS, SHORT_TOKENS = 128, 8
+WINDOW = 8
+STREAMS = 12  # per tenant: together well above the window, so queues form in the gateway
+WARMUP_S, MEASURE_S = 3.0, 12.0
+OUTPUT_WEIGHT = 2  # VTC's w: the token service counted is prompt + 2 x completion
+
+
+def _tenant(name: str, **limits: int) -> dict[str, object]:
+    return {
+        "name": name,
+        "api_keys": [{"key": f"{name}-key"}],
+        "default_class": "standard",
+        "max_class": "standard",
+        "limits": limits,
+    }
+
+
+def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
+    return GatewayThread(
+        gateway_config(
+            triton.ports.grpc_url,
+            models={"smollm2": {"dispatch_window": WINDOW, "default_temperature": 0.0}},
+            scheduler={"fair_share": fair_share, "window_reserve": 0},
+            tenants=[_tenant("long"), _tenant("short"), _tenant("kv", max_inflight_tokens=250)],
+        )
+    )
+
+
+def _wait_ready(thread: GatewayThread, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not thread.gateway.pool.ready:
+        assert time.monotonic() < deadline, "gateway never saw a ready upstream"
+        time.sleep(0.1)
+
+
+@dataclass
+class Service:
+    """Token service one tenant got: (time, weighted tokens) as its streams delivered them."""
+
+    events: list[tuple[float, float]] = field(default_factory=list)
+
+    def between(self, lo: float, hi: float) -> float:
+        return sum(tokens for at, tokens in self.events if lo <= at < hi)
+
+
+async def _stream_loop(url: str, tenant: str, max_tokens: int, until: float, service: Service) -> None:
+    """One closed-loop stream: a generation, then the next, until `until`. Each text chunk
+    counts as a generated token when it arrives; the final usage corrects the count."""
+    metadata = tuple(bearer(f"{tenant}-key").items())
+    request = generation_pb2.GenerateStreamRequest(
+        model="smollm2",
+        prompt=COUNTING_PROMPT,
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        while time.monotonic() < until:
+            chunks = 0
+            # The deadline ends the load on time: a long generation is cut off, not awaited.
+            call = stub.GenerateStream(request, metadata=metadata, timeout=until - time.monotonic())
+            try:
+                async for response in call:
+                    now = time.monotonic()
+                    if response.HasField("usage"):
+                        extra = response.usage.completion_tokens - chunks
+                        service.events.append((now, response.usage.prompt_tokens + OUTPUT_WEIGHT * max(0, extra)))
+                    elif response.text:
+                        chunks += 1
+                        service.events.append((now, OUTPUT_WEIGHT))
+            except grpc.aio.AioRpcError as e:
+                if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                return
+
+
+async def _saturate(url: str) -> tuple[float, float]:
+    """Both tenants saturate the model; their token service over the measured interval."""
+    start = time.monotonic()
+    until = start + WARMUP_S + MEASURE_S
+    services = {"long": Service(), "short": Service()}
+    await asyncio.gather(
+        *(
+            _stream_loop(url, tenant, tokens, until, services[tenant])
+            for tenant, tokens in (("long", LONG_TOKENS), ("short", SHORT_TOKENS))
+            for _ in range(STREAMS)
+        )
+    )
+    lo, hi = start + WARMUP_S, until
+    return services["long"].between(lo, hi), services["short"].between(lo, hi)
+
+
+@pytest.fixture(scope="module", params=["cost", "requests"])
+def fair_share_gateway(request: pytest.FixtureRequest, triton: LocalTriton) -> Iterator[tuple[str, GatewayThread]]:
+    require_model("smollm2")
+    with _config(triton, request.param) as thread:
+        _wait_ready(thread)
+        yield request.param, thread
+
+
+def test_long_and_short_generations_get_equal_token_service(fair_share_gateway: tuple[str, GatewayThread]) -> None:
+    fair_share, thread = fair_share_gateway
+    long_service, short_service = asyncio.run(_saturate(thread.url))
+    assert long_service > 0 and short_service > 0
+    ratio = max(long_service, short_service) / min(long_service, short_service)
+    print(f"fair_share={fair_share}: token service long {long_service:.0f}, short {short_service:.0f}, ratio {ratio:.2f}")
+    if fair_share == "cost":
+        # Aim 1.5 (the bench reports the figure over 90 s); generous for a short run.
+        assert ratio <= 2.0, (long_service, short_service)
+    else:
+        # Per-request fair share: the long tenant gets many times the short one's tokens.
+        assert long_service / short_service >= 3.0, (long_service, short_service)
+
+
+@pytest.fixture(scope="module")
+def quota_gateway(triton: LocalTriton) -> Iterator[GatewayThread]:
+    require_model("smollm2")
+    with _config(triton, "cost") as thread:
+        _wait_ready(thread)
+        yield thread
+
+
+def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_gateway: GatewayThread) -> None:
+    metadata = tuple(bearer("kv-key").items())
+
+    async def one(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int) -> tuple[float, float]:
+        """(time of the first text, time of the final response) of one generation."""
+        first = 0.0
+        async for response in stub.GenerateStream(
+            generation_pb2.GenerateStreamRequest(
+                model="smollm2",
+                prompt=COUNTING_PROMPT,
+                sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            ),
+            metadata=metadata,
+            timeout=120,
+        ):
+            if response.text and not first:
+                first = time.monotonic()
+        return first, time.monotonic()
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(quota_gateway.url) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            # Each holds prompt + 128 tokens: one fits in 250, two do not.
+            first = asyncio.create_task(one(stub, LONG_TOKENS))
+            await asyncio.sleep(0.2)
+            second = asyncio.create_task(one(stub, LONG_TOKENS))
+            (_, first_end), (second_start, _) = await asyncio.gather(first, second)
+            # Queued in the gateway, not refused: it ran, and only after the first finished.
+            assert second_start >= first_end
+            # Alone more than the quota: refused at once, with nothing queued.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await one(stub, 1000)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_inflight_tokens 250" in (refused.value.details() or "")
+
+    asyncio.run(scenario())
+    snapshot = quota_gateway.gateway.scheduler.snapshot()
+    assert snapshot.queued.get(("smollm2", "standard", "kv"), 0) == 0
