@@ -53,6 +53,14 @@ def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
     )
 
 
+def _counting(max_tokens: int) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
+        model="smollm2",
+        prompt=COUNTING_PROMPT,
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
 def _wait_ready(thread: GatewayThread, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not thread.gateway.pool.ready:
@@ -74,11 +82,7 @@ async def _stream_loop(url: str, tenant: str, max_tokens: int, until: float, ser
     """One closed-loop stream: a generation, then the next, until `until`. Each text chunk
     counts as a generated token when it arrives; the final usage corrects the count."""
     metadata = tuple(bearer(f"{tenant}-key").items())
-    request = generation_pb2.GenerateStreamRequest(
-        model="smollm2",
-        prompt=COUNTING_PROMPT,
-        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
-    )
+    request = _counting(max_tokens)
     async with grpc.aio.insecure_channel(url) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         while time.monotonic() < until:
@@ -152,15 +156,7 @@ def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_
     async def one(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int) -> tuple[float, float]:
         """(time of the first text, time of the final response) of one generation."""
         first = 0.0
-        async for response in stub.GenerateStream(
-            generation_pb2.GenerateStreamRequest(
-                model="smollm2",
-                prompt=COUNTING_PROMPT,
-                sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
-            ),
-            metadata=metadata,
-            timeout=120,
-        ):
+        async for response in stub.GenerateStream(_counting(max_tokens), metadata=metadata, timeout=120):
             if response.text and not first:
                 first = time.monotonic()
         return first, time.monotonic()
