@@ -11,72 +11,91 @@ from qosgate.scheduler.window import INTERVAL_S
 from tests.fakes import FakeClock, make_tenant
 
 IDLE = EngineLoad(waiting=0, kv_cache_usage=0.2)
+CRITICAL, BATCH = 0, 3
 
 
 def controller(window: int = 8, minimum: int = 2, maximum: int = 64) -> WindowController:
     return WindowController(minimum, maximum, window)
 
 
-def step(c: WindowController, now: float, *, latency: float = 0.1, queued: int = 10,
-         in_flight: int | None = None, load: EngineLoad | None = IDLE) -> int:
+def step(c: WindowController, now: float, *, latency: dict[int, float] | None = None,
+         queued: int = 10, in_flight: int | None = None, load: EngineLoad | None = IDLE) -> int:
+    """One interval: the given classes each report a few dispatches, then the decision."""
     if load is not None:
         c.engine_load(load, now)
-    for _ in range(5):
-        c.latency(latency)
-    c.decide(now, queued=queued, in_flight=c.window if in_flight is None else in_flight)
+    for level, seconds in (latency or {BATCH: 0.1}).items():
+        for _ in range(3):
+            c.latency(level, seconds, now)
+    c.decide(now + INTERVAL_S, queued=queued, in_flight=c.window if in_flight is None else in_flight)
     return c.window
 
 
-def test_grows_while_the_engine_keeps_up_and_the_window_limits() -> None:
-    c = controller()
-    windows = [step(c, i * INTERVAL_S) for i in range(30)]
-    assert windows[0] == 9 and windows == sorted(windows)
-    assert windows[-1] == 64  # capped at window_max
+def test_slow_start_doubles_until_the_first_shrink_then_grows_by_an_eighth() -> None:
+    c = controller(window=4)
+    assert [step(c, i) for i in range(5)] == [8, 16, 32, 64, 64]  # capped at window_max
+    assert step(c, 5, load=EngineLoad(waiting=20, kv_cache_usage=0.5)) == 51
+    assert [step(c, 6 + i) for i in range(3)] == [57, 64, 64]
 
 
 def test_holds_without_demand() -> None:
     c = controller()
-    assert [step(c, i * INTERVAL_S, queued=0) for i in range(5)] == [8] * 5
+    assert [step(c, i, queued=0) for i in range(5)] == [8] * 5
     # A full window with nothing queued is not a reason to grow either.
-    assert step(c, 10.0, queued=0, in_flight=8) == 8
+    assert step(c, 10, queued=0, in_flight=8) == 8
 
 
 def test_decides_at_most_once_per_interval() -> None:
     c = controller()
-    step(c, 0.0)
-    assert [step(c, INTERVAL_S / 10 * i) for i in range(1, 9)] == [9] * 8
+    c.decide(0.0, queued=10, in_flight=8)
+    assert c.window == 16
+    for i in range(1, 10):
+        assert c.decide(INTERVAL_S * i / 10, queued=10, in_flight=16) is None
 
 
 def test_shrinks_when_requests_wait_inside_the_engine() -> None:
     c = controller(window=40)
-    assert step(c, 0.0, load=EngineLoad(waiting=12, kv_cache_usage=0.5)) == 32
+    assert step(c, 0, load=EngineLoad(waiting=12, kv_cache_usage=0.5)) == 32
     # A request or two between arrival and the engine's next step is no saturation.
-    assert step(c, 1.0, load=EngineLoad(waiting=1, kv_cache_usage=0.5)) == 36
+    assert step(c, 1, load=EngineLoad(waiting=1, kv_cache_usage=0.5)) == 36
 
 
 def test_shrinks_when_the_kv_cache_is_nearly_full() -> None:
     c = controller(window=40)
-    assert step(c, 0.0, load=EngineLoad(waiting=0, kv_cache_usage=0.95)) == 32
-
-
-def test_shrinks_on_latency_far_above_the_unloaded_baseline_down_to_the_minimum() -> None:
-    c = controller(window=16)
-    step(c, 0.0, latency=0.05, queued=0)  # unloaded: the baseline
-    windows = [step(c, (i + 1) * INTERVAL_S, latency=0.5) for i in range(12)]
-    assert windows[0] == 12 and windows[-1] == 2
-
-
-def test_latency_alone_steers_a_model_without_engine_metrics() -> None:
-    c = controller()
-    step(c, 0.0, latency=0.05, queued=0, load=None)
-    assert step(c, 1.0, latency=0.06, load=None) == 9  # within tolerance: grows
-    assert step(c, 2.0, latency=0.2, load=None) == 7  # 4x the baseline: shrinks
+    assert step(c, 0, load=EngineLoad(waiting=0, kv_cache_usage=0.95)) == 32
 
 
 def test_a_stale_engine_reading_is_ignored() -> None:
     c = controller()
     c.engine_load(EngineLoad(waiting=50, kv_cache_usage=1.0), 0.0)
-    assert step(c, 60.0, load=None) == 9
+    assert step(c, 60, load=None) == 16
+
+
+def test_one_class_alone_sizes_for_throughput_however_slow_it_gets() -> None:
+    c = controller(window=8)
+    step(c, 0, latency={BATCH: 0.05}, queued=0)
+    assert [step(c, 1 + i, latency={BATCH: 0.05 * (i + 2)}) for i in range(3)] == [16, 32, 64]
+
+
+def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_flood() -> None:
+    c = controller(window=64)
+    step(c, 0, latency={CRITICAL: 0.05}, queued=0)  # critical alone: its baseline
+    # The flood: critical's first responses at 4x the baseline; shrink by the gradient,
+    # at most by half per interval.
+    assert step(c, 1, latency={CRITICAL: 0.2, BATCH: 0.3}) == 32
+    assert step(c, 2, latency={CRITICAL: 0.1, BATCH: 0.2}) == 24  # 2x: by 1.5/2
+    # Within the tolerance it may grow again (by an eighth: slow start is over).
+    assert step(c, 3, latency={CRITICAL: 0.06, BATCH: 0.2}) == 27
+    # An interval without a critical sample is no evidence either way: hold.
+    assert step(c, 4, latency={BATCH: 0.2}) == 27
+    assert step(c, 5, latency={CRITICAL: 0.5, BATCH: 0.2}) == 13
+    # Bounded below.
+    assert [step(c, 6 + i, latency={CRITICAL: 0.5, BATCH: 0.2}) for i in range(4)][-1] == 2
+
+
+def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
+    c = controller(window=40)
+    step(c, 0, latency={CRITICAL: 0.05}, queued=0)
+    assert step(c, 1, latency={CRITICAL: 0.05, BATCH: 0.1}, load=EngineLoad(waiting=30, kv_cache_usage=0.5)) == 32
 
 
 async def test_the_scheduler_moves_an_auto_window_as_requests_finish() -> None:

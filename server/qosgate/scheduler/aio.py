@@ -115,7 +115,7 @@ class Scheduler:
     def _latency(self, waiter: Waiter, seconds: float) -> None:
         controller = self._controller(waiter.model)
         if controller is not None:
-            controller.latency(seconds)
+            controller.latency(self._core.level(waiter.klass), seconds, self._clock.now())
 
     def _resize(self, model: str, controller: WindowController) -> None:
         _, in_flight, queued = self._core.window(model)

@@ -1,18 +1,26 @@
 """The self-sizing dispatch window of a model set to `dispatch_window: auto`: pure, on the
 caller's `now`.
 
-AIMD, in the manner of Netflix's concurrency limiters and llm-d's saturation detector:
-once per interval the controller looks at what the last interval showed and
-- shrinks the window by a factor when the engine saturates: requests waiting inside the
-  engine beyond a step's arrivals (its own queue, where the gateway's priority and fair share are lost), its
-  KV cache nearly full, or dispatch latency (time to first response) far above the
-  model's unloaded baseline;
-- grows it by a step when the engine keeps up and the window, not demand, is what
-  limits (requests queued in the gateway while the window is full);
-- otherwise holds it. Always within [window_min, window_max].
+Two things bound a window, and the controller watches both (in the manner of llm-d's
+saturation detector and of Netflix's gradient concurrency limiters):
 
-The baseline is the lowest median latency of an interval seen so far, let drift up very
-slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
+- The engine's capacity. Requests waiting inside the engine (its own queue, where the
+  gateway's priority and fair share are lost) or a nearly full KV cache mean the window
+  is past it: shrink. Otherwise, while the window is what limits (requests queue in the
+  gateway with the window full), grow: doubling until the first shrink (slow start),
+  then by window/8.
+- The latency of the highest class, when lower classes share the engine with it. On an
+  engine whose step time grows with its batch, every request at the engine slows the
+  others' time to first response; the window is the lower classes' throughput traded
+  for the highest class's latency. While a higher class and a lower one are both active,
+  the window follows the gradient of the higher class's first-response latency against
+  its unloaded baseline: above LATENCY_TOLERANCE x baseline it shrinks in proportion
+  (by at most half), below it may grow. With one class active there is nobody to
+  protect: the window sizes for throughput alone.
+
+The baseline of a class is the lowest median of an interval's samples seen, whatever
+else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
+The window moves at most once per INTERVAL_S, always within [window_min, window_max].
 """
 
 from __future__ import annotations
@@ -22,17 +30,22 @@ from dataclasses import dataclass, field
 
 # How often the window may move; long enough for a few dispatches to report latency.
 INTERVAL_S = 0.5
-# Saturated when the interval's median latency exceeds the baseline by this factor.
+# The highest class's first-response latency may reach this multiple of its baseline.
 LATENCY_TOLERANCE = 1.5
 # Saturated when the engine's KV cache is this full (new sequences would be preempted).
 KV_CACHE_HIGH = 0.9
-# Multiplicative decrease on saturation; growth is window/8 (at least 1) per interval.
+# Shrink on engine saturation; latency shrinks by the gradient, down to at most half.
 DECREASE = 0.8
+LARGEST_LATENCY_DECREASE = 0.5
 GROWTH_DIVISOR = 8
-# Per interval the baseline may rise by this fraction towards what is measured.
+# Per decision the baseline may rise by this fraction towards what is measured.
 BASELINE_DRIFT = 0.002
-# Engine readings older than this are ignored (the scrape stopped working).
+# A class counts as active while it reported a latency within this long; engine
+# readings older than this are ignored (the scrape stopped working).
+ACTIVE_S = 5.0
 ENGINE_STALE_S = 5.0
+# Latency samples kept per class and interval (their median decides).
+_KEEP = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +59,25 @@ class EngineLoad:
 
 
 @dataclass(slots=True)
+class _ClassLatency:
+    last_at: float = -ACTIVE_S
+    baseline_s: float | None = None
+    samples: list[float] = field(default_factory=list)  # of the current interval
+    recent_s: float | None = None  # their median, once the interval is over
+
+    def close_interval(self) -> None:
+        if not self.samples:
+            self.recent_s = None
+            return
+        recent = self.recent_s = statistics.median(self.samples)
+        self.samples.clear()
+        if self.baseline_s is None or recent < self.baseline_s:
+            self.baseline_s = recent
+        else:
+            self.baseline_s = min(recent, self.baseline_s * (1.0 + BASELINE_DRIFT))
+
+
+@dataclass(slots=True)
 class WindowController:
     """One model's `auto` window."""
 
@@ -53,14 +85,20 @@ class WindowController:
     maximum: int
     window: int
     next_at: float = 0.0
-    baseline_s: float | None = None
+    slow_start: bool = True
     engine: EngineLoad | None = None
     engine_at: float = 0.0
-    _samples: list[float] = field(default_factory=list)
+    _classes: dict[int, _ClassLatency] = field(default_factory=dict)
 
-    def latency(self, seconds: float) -> None:
-        """A dispatch's time from dispatch to its first response."""
-        self._samples.append(seconds)
+    def latency(self, level: int, seconds: float, now: float) -> None:
+        """A dispatch of class `level` (0 highest) got its first response `seconds` after
+        it was dispatched."""
+        stats = self._classes.get(level)
+        if stats is None:
+            stats = self._classes[level] = _ClassLatency()
+        stats.last_at = now
+        if len(stats.samples) < _KEEP:
+            stats.samples.append(seconds)
 
     def engine_load(self, load: EngineLoad, now: float) -> None:
         self.engine, self.engine_at = load, now
@@ -70,34 +108,47 @@ class WindowController:
         if now < self.next_at:
             return None
         self.next_at = now + INTERVAL_S
-        recent = statistics.median(self._samples) if self._samples else None
-        self._samples.clear()
-        if recent is not None:
-            if self.baseline_s is None or recent < self.baseline_s:
-                self.baseline_s = recent
-            else:
-                self.baseline_s = min(recent, self.baseline_s * (1.0 + BASELINE_DRIFT))
-        if self.saturated(now, recent):
-            window = max(self.minimum, int(self.window * DECREASE))
-        elif queued and in_flight >= self.window:
-            window = min(self.maximum, self.window + max(1, self.window // GROWTH_DIVISOR))
-        else:
+        for stats in self._classes.values():
+            stats.close_interval()
+        limited = bool(queued) and in_flight >= self.window
+        window: int | None = self._engine_bound(now, limited)
+        protecting = self._protected(now)
+        if protecting is not None and window is not None and window >= self.window:
+            window = self._latency_bound(protecting, limited)
+        if window is None or window == self.window:
             return None
-        if window == self.window:
-            return None
+        if window < self.window:
+            self.slow_start = False
         self.window = window
         return window
 
-    def saturated(self, now: float, recent: float | None) -> bool:
+    def _engine_bound(self, now: float, limited: bool) -> int:
         load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
-        if load is not None:
+        if load is not None and (
             # A request or two waits in any engine between its arrival and the next step.
-            if load.waiting >= max(2.0, self.window / GROWTH_DIVISOR):
-                return True
-            if load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH:
-                return True
-        return (
-            recent is not None
-            and self.baseline_s is not None
-            and recent > LATENCY_TOLERANCE * self.baseline_s
-        )
+            load.waiting >= max(2.0, self.window / GROWTH_DIVISOR)
+            or (load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH)
+        ):
+            return max(self.minimum, int(self.window * DECREASE))
+        return self._grown() if limited else self.window
+
+    def _protected(self, now: float) -> _ClassLatency | None:
+        """The highest active class while a lower one is active too, else None."""
+        active = sorted(level for level, s in self._classes.items() if now - s.last_at <= ACTIVE_S)
+        if len(active) < 2:
+            return None
+        return self._classes[active[0]]
+
+    def _latency_bound(self, stats: _ClassLatency, limited: bool) -> int | None:
+        recent = stats.recent_s
+        if recent is None or stats.baseline_s is None:
+            return None  # no evidence from the last interval: hold
+        allowed = LATENCY_TOLERANCE * stats.baseline_s
+        if recent > allowed:
+            factor = max(LARGEST_LATENCY_DECREASE, allowed / recent)
+            return max(self.minimum, min(self.window - 1, int(self.window * factor)))
+        return self._grown() if limited else self.window
+
+    def _grown(self) -> int:
+        step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
+        return min(self.maximum, self.window + step)

@@ -34,7 +34,7 @@ from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
 from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused
-from qosgate.scheduler import Scheduler
+from qosgate.scheduler import Dispatch, Scheduler
 from qosgate.scheduler.cost import unit_cost
 from qosgate.services import infer_wire, status
 from qosgate.services.headers import text_headers
@@ -324,6 +324,7 @@ class _InFlight:
 
     client_id: str
     wants_empty_final: bool
+    dispatch: Dispatch
     done: asyncio.Event = field(default_factory=asyncio.Event)
     failed: bool = False  # Triton answered with an error_message
 
@@ -428,7 +429,7 @@ class _StreamSession:
                 svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
                 fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)
                 gateway_id = f"{self._prefix}{next(self._ids)}"
-                entry = _InFlight(client_id, head.wants_empty_final)
+                entry = _InFlight(client_id, head.wants_empty_final, dispatch)
                 self._in_flight[gateway_id] = entry
                 started = time.perf_counter()
                 try:
@@ -471,6 +472,7 @@ class _StreamSession:
                 if entry is None:
                     self._outbox.put_nowait(raw)
                     continue
+                entry.dispatch.responded()
                 if head.is_final:
                     entry.failed = head.is_error
                     entry.done.set()
