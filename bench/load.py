@@ -55,6 +55,7 @@ class Outcome:
     code: str
     token_times: list[float] = dataclasses.field(default_factory=list)
     tokens: int = 0  # prompt + completion tokens the gateway charged (qosgate.v1 Generate)
+    prompt_tokens: int = 0  # of those, the prompt's
 
     @property
     def ok(self) -> bool:
@@ -157,6 +158,25 @@ class Target:
             reply = await generation_pb2_grpc.GenerationServiceStub(self.channel).Generate(
                 request, metadata=caller.metadata(), timeout=timeout)
             outcome.tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        except grpc.aio.AioRpcError as exc:
+            outcome.code = exc.code().name
+        outcome.end = self.now()
+        return outcome
+
+    async def generate_stream(self, caller: Caller, request: generation_pb2.GenerateStreamRequest,
+                              timeout: float) -> Outcome:
+        """A qosgate.v1 GenerateStream: a token time per text chunk, the usage at the end."""
+        start = self.now()
+        outcome = Outcome(caller.label, start, start, "OK")
+        try:
+            call = generation_pb2_grpc.GenerationServiceStub(self.channel).GenerateStream(
+                request, metadata=caller.metadata(), timeout=timeout)
+            async for reply in call:
+                if reply.HasField("usage"):
+                    outcome.prompt_tokens = reply.usage.prompt_tokens
+                    outcome.tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                elif reply.text:
+                    outcome.token_times.append(self.now())
         except grpc.aio.AioRpcError as exc:
             outcome.code = exc.code().name
         outcome.end = self.now()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-SCENARIO_ORDER = ("overhead", "isolation", "fairness", "quota", "llm", "batching")
+SCENARIO_ORDER = ("overhead", "isolation", "fairness", "quota", "llm", "window", "batching")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -150,18 +150,21 @@ def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib
     return conf
 
 
-def gateway_config(*, listen: str, metrics_listen: str, upstream: str,
+def gateway_config(*, listen: str, metrics_listen: str, upstream: str, upstream_metrics: str,
                    tenants: Sequence[Mapping[str, Any]],
-                   models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                   models: Mapping[str, Mapping[str, Any]] | None = None,
+                   scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run."""
     doc: dict[str, Any] = {
         "listen": listen,
         "metrics_listen": metrics_listen,
-        "upstreams": [{"name": "local", "url": upstream}],
+        "upstreams": [{"name": "local", "url": upstream, "metrics_url": upstream_metrics}],
         "tenants": [dict(t) for t in tenants],
     }
     if models:
         doc["models"] = {name: dict(policy) for name, policy in models.items()}
+    if scheduler:
+        doc["scheduler"] = dict(scheduler)
     return doc
 
 
@@ -185,6 +188,7 @@ class Stack:
         self.gateway: GroupProcess | None = None
         self.nginx_url = ""
         self.gateway_url = ""
+        self.gateway_metrics_url = ""
         self._exit = contextlib.ExitStack()
 
     @property
@@ -242,13 +246,20 @@ class Stack:
         return self.nginx_url
 
     def start_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
-                      models: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-        """`qosgate serve` with a config generated for this run; returns its gRPC target."""
-        port = free_port()
+                      models: Mapping[str, Mapping[str, Any]] | None = None,
+                      scheduler: Mapping[str, Any] | None = None) -> str:
+        """`qosgate serve` with a config generated for this run (stopping the gateway an
+        earlier call started); returns its gRPC target."""
+        assert self.triton is not None
+        if self.gateway is not None:
+            self.gateway.stop()
+        port, metrics_port = free_port(), free_port()
         doc = gateway_config(
-            listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{free_port()}",
-            upstream=self.triton_url, tenants=tenants, models=models,
+            listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{metrics_port}",
+            upstream=self.triton_url, upstream_metrics=self.triton.ports.metrics_url,
+            tenants=tenants, models=models, scheduler=scheduler,
         )
+        self.gateway_metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
         path = self.dir / "gateway.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         qosgate = pathlib.Path(sys.executable).with_name("qosgate")
