@@ -62,14 +62,14 @@ def _pem_file(path: str, what: str) -> str:
             pem = f.read()
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    # The ssl module parses every certificate in the file; a file with none is refused too.
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    not_pem = ValueError(f"{path} is not {what} (PEM)")
+    if b"-----BEGIN CERTIFICATE-----" not in pem:  # e.g. a key given where a cert belongs
+        raise not_pem
+    # The ssl module parses every certificate in the file.
     try:
-        if b"-----BEGIN CERTIFICATE-----" not in pem:
-            raise ssl.SSLError("no PEM certificate")
-        context.load_verify_locations(cadata=pem.decode("ascii", errors="replace"))
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=pem.decode("ascii", errors="replace"))
     except (ssl.SSLError, ValueError):
-        raise ValueError(f"{path} is not {what} (PEM)") from None
+        raise not_pem from None
     return path
 
 
