@@ -1,7 +1,8 @@
 """deploy/kubernetes cannot be applied here (no cluster): parse every manifest and check
 what a typo would break: selectors against pod labels, Service and probe ports against
 container ports, ConfigMap/Secret references and keys, the gateway config it assembles
-(validated by qosgate itself) and its upstreams against the Triton StatefulSet."""
+(validated by qosgate itself), its upstreams against the Triton StatefulSet and its
+stores against the Redis and PostgreSQL Services."""
 
 from __future__ import annotations
 
@@ -214,6 +215,32 @@ def test_gateway_shares_quota_state_through_the_redis_service() -> None:
     assert "$(REDIS_PASSWORD)" in redis_container["args"]
 
 
+def test_gateway_shares_batch_jobs_through_the_postgres_service() -> None:
+    store = gateway_config().job_store
+    assert store.backend == "postgres"
+    url = urlsplit(store.postgres_url)
+    service = named("Service", url.hostname or "")
+    assert url.port in {p["port"] for p in service["spec"]["ports"]}
+    (postgres,) = selected(service["spec"]["selector"])
+    (container,) = pod_spec(postgres)["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    # The user and database the gateway logs in as are the ones the server creates.
+    assert (url.username, url.path.lstrip("/")) == (
+        env["POSTGRES_USER"]["value"],
+        env["POSTGRES_DB"]["value"],
+    )
+    (gateway,) = pod_spec(named("Deployment", "qosgate-gateway"))["containers"]
+    passwords = {e["name"]: e for e in gateway["env"]}
+    assert store.password_env is not None
+    assert (
+        passwords[store.password_env]["valueFrom"] == env["POSTGRES_PASSWORD"]["valueFrom"]
+    )
+    # Jobs outlive the pod: the data directory is on a claim, not an emptyDir.
+    claims = {t["metadata"]["name"] for t in postgres["spec"]["volumeClaimTemplates"]}
+    (data,) = [m for m in container["volumeMounts"] if m["name"] in claims]
+    assert env["PGDATA"]["value"].startswith(data["mountPath"] + "/")
+
+
 def test_upstreams_are_the_triton_replicas() -> None:
     triton = named("StatefulSet", "triton")
     headless = named("Service", triton["spec"]["serviceName"])
@@ -249,7 +276,7 @@ def test_triton_is_internal_and_on_gpus() -> None:
         selected(p["spec"]["podSelector"]["matchLabels"])[0]["metadata"]["name"]
         for p in of_kind("NetworkPolicy")
     }
-    assert protected == {"triton", "redis"}
+    assert protected == {"triton", "redis", "postgres"}
 
 
 def test_disruption_budgets_select_workloads() -> None:

@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 from types import ModuleType
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -190,9 +191,9 @@ def test_minilm_has_one_priority_level_per_gateway_class() -> None:
 COMPOSE = ROOT / "docker/docker-compose.yml"
 
 
-def test_compose_runs_triton_gateway_and_redis_from_files_that_exist() -> None:
+def test_compose_runs_triton_gateway_redis_and_postgres_from_files_that_exist() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
-    assert set(compose["services"]) == {"triton", "gateway", "redis"}
+    assert set(compose["services"]) == {"triton", "gateway", "redis", "postgres"}
     for service in compose["services"].values():
         build = service.get("build")
         if build:
@@ -203,15 +204,29 @@ def test_compose_runs_triton_gateway_and_redis_from_files_that_exist() -> None:
             path = source[0] or source[1]
             if path.startswith("."):
                 assert (COMPOSE.parent / path).exists(), volume
-    # Tenants must not reach Triton or Redis around the gateway.
-    assert "ports" not in compose["services"]["triton"]
-    assert "ports" not in compose["services"]["redis"]
+    # Tenants must not reach Triton, Redis or PostgreSQL around the gateway.
+    for internal in ("triton", "redis", "postgres"):
+        assert "ports" not in compose["services"][internal]
 
 
 def test_compose_gateway_config_is_valid() -> None:
     config = load_config(ROOT / "docker/gateway.yaml")
     assert [u.url for u in config.upstreams] == ["triton:8001"]
     assert "llama31_8b_instruct" in config.models and "ensemble" in config.models
+
+
+def test_compose_gateway_keeps_jobs_in_the_compose_postgres() -> None:
+    store = load_config(ROOT / "docker/gateway.yaml").job_store
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    postgres, gateway = services["postgres"], services["gateway"]
+    url = urlsplit(store.postgres_url)
+    assert store.backend == "postgres" and url.hostname == "postgres"
+    assert str(url.port) in postgres["expose"]
+    env = postgres["environment"]
+    assert (url.username, url.path.lstrip("/")) == (env["POSTGRES_USER"], env["POSTGRES_DB"])
+    assert store.password_env is not None
+    assert gateway["environment"][store.password_env] == env["POSTGRES_PASSWORD"]
+    assert "postgres" in gateway["depends_on"]
 
 
 def _adapter_request(adapter_name: str):
