@@ -163,8 +163,7 @@ class Gateway:
         return self._metrics_endpoint.port if self._metrics_endpoint else None
 
     async def start(self) -> None:
-        """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving.
-        Raises Unavailable when the job store cannot be reached."""
+        """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
         await self.jobs.open()
         kserve = KServeService(
             config=self.config,

@@ -7,6 +7,8 @@ the items of a gateway that died are run by the others after the lease.
 The connection pool is psycopg's (asyncio): statements never block the event loop. A
 database that cannot be reached, or does not answer within `timeout_s`, makes the call
 fail with Unavailable; the runner keeps its leases and tries again at its next turn.
+Interactive traffic never touches the store, so a gateway starts and serves without it:
+the tables are created by the first call that reaches the database.
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ class PostgresJobStore(SqlJobStore):
     ) -> None:
         """A store on the database at `url` (a libpq URL); nothing connects before `open`."""
         super().__init__(wall_time=wall_time, lease_s=lease_s, owner=owner or default_owner())
-        self._timeout_s = timeout_s
         connect: dict[str, Any] = {
             "connect_timeout": max(1, round(timeout_s)),
             # A statement waiting on a lock or a slow server gives up, rather than
@@ -93,25 +94,16 @@ class PostgresJobStore(SqlJobStore):
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             url, kwargs=connect, min_size=1, max_size=pool_size, timeout=timeout_s, open=False
         )
+        self._tables_ready = False
 
     async def open(self) -> None:
-        """Connect and create the tables if they do not exist yet. Raises Unavailable
-        when the database cannot be reached within the timeout."""
+        """Start connecting and create the tables. A database out of reach is logged, not
+        raised: batch calls fail UNAVAILABLE until it answers."""
+        await self._pool.open(wait=False)
         try:
-            await self._pool.open(wait=True, timeout=self._timeout_s)
-        except PoolTimeout:
-            await self._pool.close()
-            raise Unavailable(
-                f"cannot connect to the PostgreSQL job store within {self._timeout_s:g} s"
-            ) from None
-
-        async def create(db: SqlSession) -> None:
-            await db.execute("SELECT pg_advisory_xact_lock(?, ?)", _SCHEMA_LOCK)
-            ddl = TABLES.format(real="DOUBLE PRECISION", blob="BYTEA") + INDEXES
-            for statement in filter(str.strip, ddl.split(";")):
-                await db.execute(statement)
-
-        await self._write(create)
+            await self._write_tables()
+        except Unavailable:
+            log.warning("the PostgreSQL job store is out of reach; batch jobs wait for it")
 
     async def close(self) -> None:
         await self._pool.close()
@@ -119,7 +111,22 @@ class PostgresJobStore(SqlJobStore):
     async def _lock_tenant(self, db: SqlSession, tenant: str) -> None:
         await db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (tenant,))
 
+    async def _write_tables(self) -> None:
+        async def create(db: SqlSession) -> None:
+            await db.execute("SELECT pg_advisory_xact_lock(?, ?)", _SCHEMA_LOCK)
+            ddl = TABLES.format(real="DOUBLE PRECISION", blob="BYTEA") + INDEXES
+            for statement in filter(str.strip, ddl.split(";")):
+                await db.execute(statement)
+
+        await self._transact(create)
+        self._tables_ready = True
+
     async def _write(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        if not self._tables_ready:
+            await self._write_tables()
+        return await self._transact(work)
+
+    async def _transact(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 async with self._pool.connection() as conn, conn.transaction():
@@ -133,4 +140,5 @@ class PostgresJobStore(SqlJobStore):
                 raise Unavailable("the batch job store is unavailable", _RETRY_AFTER_S) from None
         raise AssertionError("unreachable")
 
-    _read = _write
+    async def _read(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        return await self._write(work)

@@ -120,8 +120,8 @@ class JobStore(Protocol):
     job reads exactly like a missing one. Every method is one transaction."""
 
     async def open(self) -> None:
-        """Connect and create the tables if needed; before any other call. Raises
-        Unavailable when the store cannot be reached."""
+        """Connect and create the tables if needed; before any other call. A store out
+        of reach does not fail this: its calls raise Unavailable until it answers."""
         ...
 
     async def begin_job(

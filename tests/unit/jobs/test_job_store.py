@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from qosgate.errors import InvalidArgument, NotFound, QuotaExceeded
+from conftest import free_port
+from qosgate.errors import InvalidArgument, NotFound, QuotaExceeded, Unavailable
 from qosgate.jobs.model import ClaimedItem, ItemError, ItemKind, JobLimits, JobStatus, NewItem
 from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.sqlite_store import SqliteJobStore
@@ -376,4 +377,30 @@ async def test_sqlite_file_from_before_leases_is_upgraded(tmp_path: Path, clock:
     item = await claim(store, "batch_old")
     finished = await store.succeed(item, b"r")
     assert finished is not None and finished.counts.succeeded == 1
+    await store.close()
+
+
+async def test_postgres_out_of_reach_fails_calls_unavailable_until_it_answers(
+    clock: WallClock,
+) -> None:
+    server = PostgresServer(free_port())
+    store = PostgresJobStore(server.url(), wall_time=clock, timeout_s=0.5)
+    await store.open()  # logs, does not raise: a gateway serves interactive calls without it
+    with pytest.raises(Unavailable):
+        await store.work_by_tenant()
+    server.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            try:
+                job_id = await submit(store, "a", "1")
+                break
+            except Unavailable:
+                assert asyncio.get_running_loop().time() < deadline, "never reconnected"
+                await asyncio.sleep(0.2)
+        assert (await store.get_job("a", job_id)).counts.total == 1
+    finally:
+        server.stop()
+    with pytest.raises(Unavailable):
+        await store.get_job("a", job_id)
     await store.close()
