@@ -161,11 +161,17 @@ def test_kill_9_of_a_gateway_running_items_leaves_the_job_to_the_other(
             assert time.monotonic() < deadline, "the victim never ran an item of the job"
             time.sleep(0.05)
         victim.kill()
+        killed_at = time.time()
         # What the dead gateway held when it died: nobody renews these leases now.
         orphaned = leased_to(store_url, batch.id, pid)
         finished = wait_finished(client, batch.id)
         results = list(client.batch_results(batch.id))
-    print(f"\nkill -9: {len(orphaned)} item(s) held by the dead gateway, taken over after the lease")
+    done_at = {r.custom_id: r.completed_at.ToNanoseconds() / 1e9 for r in results}
+    takeover_s = max((done_at[c] for c in orphaned), default=float("nan")) - killed_at
+    print(
+        f"\nkill -9: {len(orphaned)} item(s) held by the dead gateway, their results"
+        f" {takeover_s:.1f} s after the kill (lease {LEASE_S:g} s)"
+    )
     assert finished.status == batch_pb2.BATCH_STATUS_COMPLETED
     assert finished.counts.succeeded == total, finished.counts
     ids = [r.custom_id for r in results]
