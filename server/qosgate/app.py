@@ -14,8 +14,10 @@ import logging
 import os
 import signal
 import time
+from types import ModuleType
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -39,6 +41,7 @@ from qosgate.scheduler import Scheduler
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
 from qosgate.services.batch_items import PlaneItemExecutor
+from qosgate.services.edge import Edge, servicer_methods
 from qosgate.services.embedding import EmbeddingServicer, PoolEngineInfer
 from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
@@ -47,16 +50,7 @@ from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
 from qosgate.tls import server_credentials
 from qosgate.usage import UsageLedger, UsageMeter
-from qosgate.v1 import (
-    admin_pb2,
-    admin_pb2_grpc,
-    batch_pb2,
-    batch_pb2_grpc,
-    embedding_pb2,
-    embedding_pb2_grpc,
-    generation_pb2,
-    generation_pb2_grpc,
-)
+from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +62,10 @@ _SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.so_reuseport", 0),
 )
+
+
+def _service(module: ModuleType, name: str) -> ServiceDescriptor:
+    return module.DESCRIPTOR.services_by_name[name]
 
 
 class Gateway:
@@ -175,28 +173,29 @@ class Gateway:
             clock=self.clock,
         )
         server = grpc.aio.server(options=_SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((kserve.rpc_handler(),))
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.generation, clock_now=self.clock.now, metrics=self.metrics), server
-        )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.directory, self.usage), server)
-        embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(
-            EmbeddingServicer(self.embedding, self.directory, clock_now=self.clock.now), server
-        )
-        batch_pb2_grpc.add_BatchServiceServicer_to_server(
-            BatchService(
+        # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
+        rpc_edge = Edge(self.directory, self.metrics)
+        services = {
+            _service(generation_pb2, "GenerationService"): GenerationServicer(
+                self.generation, clock_now=self.clock.now, metrics=self.metrics
+            ),
+            _service(admin_pb2, "AdminService"): AdminServicer(self.directory, self.usage),
+            _service(embedding_pb2, "EmbeddingService"): EmbeddingServicer(self.embedding, clock_now=self.clock.now),
+            _service(batch_pb2, "BatchService"): BatchService(
                 directory=self.directory, store=self.jobs, runner=self.batch_runner, config=self.config.batch
             ),
-            server,
+        }
+        server.add_generic_rpc_handlers(
+            (
+                rpc_edge.handler(KSERVE_SERVICE, kserve.methods()),
+                *(rpc_edge.handler(d.full_name, servicer_methods(d, s)) for d, s in services.items()),
+            )
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
                 KSERVE_SERVICE,
-                generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-                admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-                embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingService"].full_name,
-                batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name,
+                *(d.full_name for d in services),
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ),

@@ -14,13 +14,15 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from qosgate.config import GatewayConfig, LimitsConfig, TenantConfig
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 _BEARER = "bearer "
+# The headers a call may present its API key in.
+AUTHORIZATION, API_KEY = "authorization", "x-api-key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +106,18 @@ class TenantDirectory:
         return self._by_name.get(name)
 
     def identify(
-        self, metadata: Mapping[str, str], certificate: ClientCertificate | None = None
+        self, metadata: Iterable[tuple[str, str | bytes]], certificate: ClientCertificate | None = None
     ) -> Tenant:
         """The tenant whose key is in `authorization: Bearer KEY` or `x-api-key: KEY`, or
         whose `client_certs` match `certificate` (the caller's verified TLS certificate).
 
-        Either credential alone identifies; both must name the same tenant. A key that
-        names no tenant is refused even beside a certificate that does, and so is a
-        certificate that matches entries of two tenants: an ambiguous caller is never
-        guessed at. A certificate that matches no tenant leaves identification to the key.
-        Metadata keys are expected lower-case (as gRPC delivers them).
+        `metadata` is the call's metadata as sent, repeated keys included (lower-case, as
+        gRPC delivers them). Either credential alone identifies; both must name the same
+        tenant. An ambiguous caller is never guessed at: the same key header twice, both
+        key headers naming different keys (which one a proxy passes on first is not ours
+        to guess), a key that names no tenant beside a certificate that does, and a
+        certificate that matches entries of two tenants are all refused. A certificate
+        that matches no tenant leaves identification to the key.
         """
         by_cert = self._certificate_tenant(certificate) if certificate is not None else None
         key = _presented_key(metadata)
@@ -124,7 +128,7 @@ class TenantDirectory:
                 "missing API key: send 'authorization: Bearer <key>' or 'x-api-key'"
                 + ("; the client certificate identifies no tenant" if certificate is not None else "")
             )
-        digest = hashlib.sha256(key.encode()).digest()
+        digest = hashlib.sha256(key.encode(errors="surrogatepass")).digest()
         # Keys are compared as SHA-256 digests: the lookup's timing can only reveal how a
         # guess's digest relates to stored digests, which says nothing usable about any key,
         # so a hash lookup is as safe as a constant-time scan and O(1).
@@ -167,10 +171,21 @@ class TenantDirectory:
             raise PermissionDenied(f"tenant {tenant.name!r} may not use model {model!r}")
 
 
-def _presented_key(metadata: Mapping[str, str]) -> str:
-    authorization = metadata.get("authorization")
-    if authorization is not None:
-        if authorization[: len(_BEARER)].lower() == _BEARER:
-            return authorization[len(_BEARER) :].strip()
-        return ""
-    return metadata.get("x-api-key", "").strip()
+def _presented_key(metadata: Iterable[tuple[str, str | bytes]]) -> str:
+    """The one API key the call presents ("" when none); Unauthenticated when it presents
+    several or a malformed one. No message names a key."""
+    presented = [(name, value) for name, value in metadata if name in (AUTHORIZATION, API_KEY)]
+    if len({name for name, _ in presented}) < len(presented):
+        raise Unauthenticated("more than one credential header: send one API key, once")
+    keys = set()
+    for name, value in presented:
+        # Only `-bin` keys carry bytes; these two never do.
+        text = value if isinstance(value, str) else ""
+        if name == AUTHORIZATION:
+            if text[: len(_BEARER)].lower() != _BEARER:
+                raise Unauthenticated("the authorization header must be 'Bearer <key>'")
+            text = text[len(_BEARER) :]
+        keys.add(text.strip())
+    if len(keys) > 1:
+        raise Unauthenticated("authorization and x-api-key name different keys: send one")
+    return keys.pop() if keys else ""

@@ -1,6 +1,6 @@
 """The generation API's domain: prompt in, text deltas and usage out, free of any transport.
 
-One call goes identify → authorize → render (chat template) → admit (daily budget from the
+One call (its tenant identified at the edge) goes authorize → render (chat template) → admit (daily budget from the
 usage meter; rate, concurrency and tokens_per_minute in Admission, reserving the prompt
 estimate + max_tokens) → schedule (the same per-model dispatch window as KServe traffic)
 → stream from Triton through the model's adapter → account: the usage is written to the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +25,7 @@ from qosgate.adapters import GenerationAdapter, adapter_for
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
 from qosgate.adapters.tokenizer import tokenizer_counter
-from qosgate.auth import ClientCertificate, Tenant, TenantDirectory
+from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.errors import DeadlineExceeded, Internal, InvalidArgument
@@ -129,27 +129,7 @@ class GenerationPlane:
             if policy.tokenizer is not None
         }
 
-    def generate(
-        self,
-        metadata: Mapping[str, str],
-        call: GenerationCall,
-        *,
-        certificate: ClientCertificate | None = None,
-        deadline: float | None = None,
-        labels: CallLabels | None = None,
-    ) -> AsyncGenerator[str | Finished, None]:
-        """Text deltas, then one Finished, for the caller the metadata's key (or its client
-        `certificate`) names. `deadline` is on the plane's clock.
-
-        Close the iterator when done with it (`contextlib.aclosing`): that is what
-        releases the request's slot and quotas when the caller stops early.
-        """
-        labels = labels if labels is not None else CallLabels()
-        tenant = self._directory.identify(metadata, certificate)
-        labels.tenant = tenant.name
-        return self.generate_for(tenant, call, deadline=deadline, labels=labels)
-
-    async def generate_for(
+    async def generate(
         self,
         tenant: Tenant,
         call: GenerationCall,
@@ -157,8 +137,12 @@ class GenerationPlane:
         deadline: float | None = None,
         labels: CallLabels | None = None,
     ) -> AsyncGenerator[str | Finished, None]:
-        """`generate` for a tenant already identified (the batch runner acts for a job's
-        tenant, which has no key at hand)."""
+        """Text deltas, then one Finished, for `tenant` (identified by the edge, or the
+        job's tenant when the batch runner calls). `deadline` is on the plane's clock.
+
+        Close the iterator when done with it (`contextlib.aclosing`): that is what
+        releases the request's slot and quotas when the caller stops early.
+        """
         arrived = self._clock.now()
         labels = labels if labels is not None else CallLabels()
         labels.tenant = tenant.name

@@ -41,32 +41,40 @@ def directory() -> TenantDirectory:
 @pytest.mark.parametrize(
     ("metadata", "tenant"),
     [
-        ({"authorization": "Bearer acme-1"}, "acme"),
-        ({"authorization": "bearer acme-2"}, "acme"),
-        ({"authorization": "BEARER   acme-2  "}, "acme"),
-        ({"x-api-key": "globex-1"}, "globex"),
-        ({"x-api-key": "ops-1", "other": "x"}, "ops"),
+        ([("authorization", "Bearer acme-1")], "acme"),
+        ([("authorization", "bearer acme-2")], "acme"),
+        ([("authorization", "BEARER   acme-2  ")], "acme"),
+        ([("x-api-key", "globex-1")], "globex"),
+        ([("x-api-key", "ops-1"), ("other", "x"), ("other", "y")], "ops"),
+        # Both headers naming the same key present one key.
+        ([("authorization", "Bearer acme-1"), ("x-api-key", "acme-1")], "acme"),
     ],
 )
-def test_identify(directory: TenantDirectory, metadata: dict[str, str], tenant: str) -> None:
+def test_identify(directory: TenantDirectory, metadata: list[tuple[str, str]], tenant: str) -> None:
     assert directory.identify(metadata).name == tenant
 
 
 @pytest.mark.parametrize(
     ("metadata", "message"),
     [
-        ({}, "missing API key"),
-        ({"authorization": "Bearer "}, "missing API key"),
-        ({"authorization": "Basic YWNtZS0xOg=="}, "missing API key"),
-        ({"authorization": "acme-1"}, "missing API key"),
-        ({"authorization": "Bearer nope"}, "invalid API key"),
-        ({"x-api-key": "ACME-1"}, "invalid API key"),
-        # The authorization header wins: a bad one is not rescued by x-api-key.
-        ({"authorization": "Bearer nope", "x-api-key": "acme-1"}, "invalid API key"),
+        ([], "missing API key"),
+        ([("authorization", "Bearer ")], "missing API key"),
+        ([("authorization", "Basic YWNtZS0xOg==")], "must be 'Bearer <key>'"),
+        ([("authorization", "acme-1")], "must be 'Bearer <key>'"),
+        ([("authorization", "Bearer nope")], "invalid API key"),
+        ([("x-api-key", "ACME-1")], "invalid API key"),
+        # Ambiguous credentials are refused whichever comes first, valid key or not.
+        ([("authorization", "Bearer nope"), ("authorization", "Bearer acme-1")], "more than one"),
+        ([("authorization", "Bearer acme-1"), ("authorization", "Bearer nope")], "more than one"),
+        ([("authorization", "Bearer acme-1"), ("authorization", "Bearer acme-1")], "more than one"),
+        ([("x-api-key", "acme-1"), ("x-api-key", "globex-1")], "more than one"),
+        ([("authorization", "Bearer nope"), ("x-api-key", "acme-1")], "different keys"),
+        ([("x-api-key", "acme-1"), ("authorization", "Bearer globex-1")], "different keys"),
+        ([("authorization", "Basic YWNtZS0xOg=="), ("x-api-key", "acme-1")], "must be 'Bearer <key>'"),
     ],
 )
 def test_identify_refuses(
-    directory: TenantDirectory, metadata: dict[str, str], message: str
+    directory: TenantDirectory, metadata: list[tuple[str, str]], message: str
 ) -> None:
     with pytest.raises(Unauthenticated, match=message):
         directory.identify(metadata)
@@ -77,7 +85,7 @@ def test_a_refused_key_appears_in_no_message_or_log(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     with pytest.raises(Unauthenticated) as caught:
-        directory.identify({"authorization": "Bearer s3cret-guess"})
+        directory.identify([("authorization", "Bearer s3cret-guess")])
     assert "s3cret" not in caught.value.message and "s3cret" not in caplog.text
 
 
@@ -127,7 +135,7 @@ def test_require_admin(directory: TenantDirectory) -> None:
 
 
 def test_replace_swaps_keys_and_tenant_settings(directory: TenantDirectory) -> None:
-    before = directory.identify({"x-api-key": "acme-1"})
+    before = directory.identify([("x-api-key", "acme-1")])
     directory.replace(
         parse_config(
             {
@@ -139,12 +147,12 @@ def test_replace_swaps_keys_and_tenant_settings(directory: TenantDirectory) -> N
         )
     )
     # The old key now names another tenant; the rotated-out key is refused.
-    assert directory.identify({"x-api-key": "acme-1"}).name == "initech"
+    assert directory.identify([("x-api-key", "acme-1")]).name == "initech"
     with pytest.raises(Unauthenticated):
-        directory.identify({"x-api-key": "acme-2"})
+        directory.identify([("x-api-key", "acme-2")])
     with pytest.raises(Unauthenticated):
-        directory.identify({"x-api-key": "globex-1"})
-    acme = directory.identify({"x-api-key": "acme-3"})
+        directory.identify([("x-api-key", "globex-1")])
+    acme = directory.identify([("x-api-key", "acme-3")])
     assert (acme.weight, acme.allows_model("smollm2")) == (5, False)
     assert directory.named("acme") is acme and directory.named("globex") is None
     assert [t.name for t in directory.tenants] == ["acme", "initech"]

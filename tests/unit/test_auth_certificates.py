@@ -50,19 +50,19 @@ def cert(sha256: str = "cd" * 32, *sans: str) -> ClientCertificate:
 @pytest.mark.parametrize(
     ("metadata", "certificate", "tenant"),
     [
-        ({}, cert(ACME_FINGERPRINT), "acme"),
-        ({}, cert("cd" * 32, "DNS-like.example", ACME_SAN), "acme"),
-        ({}, cert(ACME_FINGERPRINT, ACME_SAN), "acme"),  # two entries, one tenant
-        ({}, cert("cd" * 32, GLOBEX_SAN), "globex"),
+        ([], cert(ACME_FINGERPRINT), "acme"),
+        ([], cert("cd" * 32, "DNS-like.example", ACME_SAN), "acme"),
+        ([], cert(ACME_FINGERPRINT, ACME_SAN), "acme"),  # two entries, one tenant
+        ([], cert("cd" * 32, GLOBEX_SAN), "globex"),
         # Both credentials naming the same tenant.
-        ({"authorization": "Bearer globex-1"}, cert("cd" * 32, GLOBEX_SAN), "globex"),
+        ([("authorization", "Bearer globex-1")], cert("cd" * 32, GLOBEX_SAN), "globex"),
         # A certificate mapped to no tenant (mTLS for transport only): the key decides.
-        ({"authorization": "Bearer keyonly-1"}, cert("ef" * 32, "spiffe://qosgate.test/other"), "keyonly"),
-        ({"x-api-key": "acme-1"}, cert(), "acme"),
+        ([("authorization", "Bearer keyonly-1")], cert("ef" * 32, "spiffe://qosgate.test/other"), "keyonly"),
+        ([("x-api-key", "acme-1")], cert(), "acme"),
     ],
 )
 def test_identify_by_certificate(
-    directory: TenantDirectory, metadata: dict[str, str], certificate: ClientCertificate, tenant: str
+    directory: TenantDirectory, metadata: list[tuple[str, str]], certificate: ClientCertificate, tenant: str
 ) -> None:
     assert directory.identify(metadata, certificate).name == tenant
 
@@ -70,17 +70,17 @@ def test_identify_by_certificate(
 @pytest.mark.parametrize(
     ("metadata", "certificate", "message"),
     [
-        ({"authorization": "Bearer globex-1"}, cert(ACME_FINGERPRINT), "identify different tenants"),
-        ({"x-api-key": "keyonly-1"}, cert("cd" * 32, ACME_SAN), "identify different tenants"),
-        ({}, cert(ACME_FINGERPRINT, GLOBEX_SAN), "matches more than one tenant"),
-        ({}, cert("cd" * 32, ACME_SAN, GLOBEX_SAN), "matches more than one tenant"),
+        ([("authorization", "Bearer globex-1")], cert(ACME_FINGERPRINT), "identify different tenants"),
+        ([("x-api-key", "keyonly-1")], cert("cd" * 32, ACME_SAN), "identify different tenants"),
+        ([], cert(ACME_FINGERPRINT, GLOBEX_SAN), "matches more than one tenant"),
+        ([], cert("cd" * 32, ACME_SAN, GLOBEX_SAN), "matches more than one tenant"),
         # A wrong key is never rescued by a good certificate.
-        ({"authorization": "Bearer nope"}, cert(ACME_FINGERPRINT), "invalid API key"),
-        ({}, cert(), "missing API key: .*; the client certificate identifies no tenant"),
+        ([("authorization", "Bearer nope")], cert(ACME_FINGERPRINT), "invalid API key"),
+        ([], cert(), "missing API key: .*; the client certificate identifies no tenant"),
     ],
 )
 def test_identify_refuses_ambiguous_or_unknown(
-    directory: TenantDirectory, metadata: dict[str, str], certificate: ClientCertificate, message: str
+    directory: TenantDirectory, metadata: list[tuple[str, str]], certificate: ClientCertificate, message: str
 ) -> None:
     with pytest.raises(Unauthenticated, match=message):
         directory.identify(metadata, certificate)
@@ -93,6 +93,6 @@ def test_reload_replaces_the_certificate_map(tmp_path: pathlib.Path) -> None:
     moved = TenantDirectory(
         parse_config({"tls": tls, "tenants": [{"name": "acme", "client_certs": [{"san": ACME_SAN}]}]})
     )
-    assert moved.identify({}, cert("cd" * 32, ACME_SAN)).name == "acme"
+    assert moved.identify([], cert("cd" * 32, ACME_SAN)).name == "acme"
     moved.replace(parse_config({"tls": tls, "tenants": [{"name": "globex", "client_certs": [{"san": ACME_SAN}]}]}))
-    assert moved.identify({}, cert("cd" * 32, ACME_SAN)).name == "globex"
+    assert moved.identify([], cert("cd" * 32, ACME_SAN)).name == "globex"

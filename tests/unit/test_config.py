@@ -113,15 +113,15 @@ def test_issue_example_loads() -> None:
     assert acme.limits.burst == 100 and acme.limits.max_concurrent == 64
     assert ops.admin and ops.models == ["*"]
     directory = TenantDirectory(config)
-    assert directory.identify({"x-api-key": "acme-key"}).name == "acme"
+    assert directory.identify([("x-api-key", "acme-key")]).name == "acme"
 
 
 def test_shipped_demo_config() -> None:
     config = load_config(paths.project_root() / "config" / "demo.yaml")
     directory = TenantDirectory(config)
-    acme = directory.identify({"authorization": "Bearer demo-acme-key"})
-    globex = directory.identify({"authorization": "Bearer demo-globex-key"})
-    ops = directory.identify({"x-api-key": "demo-admin-key"})
+    acme = directory.identify([("authorization", "Bearer demo-acme-key")])
+    globex = directory.identify([("authorization", "Bearer demo-globex-key")])
+    ops = directory.identify([("x-api-key", "demo-admin-key")])
     assert (acme.name, acme.max_class, acme.weight) == ("acme", "critical", 2)
     assert (globex.name, globex.max_class, globex.admin) == ("globex", "interactive", False)
     assert (ops.name, ops.admin) == ("ops", True)

@@ -67,7 +67,7 @@ def plane_and_triton() -> tuple[EmbeddingPlane, FakeTriton, TenantDirectory]:
 
 async def test_one_row_per_text_at_the_class_priority(plane_and_triton) -> None:  # type: ignore[no-untyped-def]
     plane, triton, directory = plane_and_triton
-    tenant = directory.identify({"x-api-key": "k1"})
+    tenant = directory.identify([("x-api-key", "k1")])
     result = await plane.embed(tenant, "minilm", ["a", "bbb"], priority_class="batch")
     assert result.vectors == [[1.0, 0.0], [3.0, 1.0]]
     (request,) = triton.requests
@@ -77,7 +77,7 @@ async def test_one_row_per_text_at_the_class_priority(plane_and_triton) -> None:
 
 async def test_refusals_happen_before_dispatch(plane_and_triton) -> None:  # type: ignore[no-untyped-def]
     plane, triton, directory = plane_and_triton
-    tenant = directory.identify({"x-api-key": "k1"})
+    tenant = directory.identify([("x-api-key", "k1")])
     with pytest.raises(PermissionDenied):
         await plane.embed(tenant, "smollm2", ["a"])
     with pytest.raises(InvalidArgument):

@@ -13,7 +13,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from qosgate.adapters.domain import ChatMessage, FinishReason, Role
-from qosgate.auth import TenantDirectory
+from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import parse_config
 from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
 from qosgate.generation import Finished, GenerationCall, GenerationPlane
@@ -23,7 +23,6 @@ from qosgate.scheduler import Scheduler
 from qosgate.usage import UsageLedger, UsageMeter, UsageRecord
 from tests.fakes import FakeClock
 
-KEY = {"authorization": "Bearer k-acme"}
 DAY0 = 1_767_225_600.0
 
 
@@ -109,8 +108,13 @@ def _plane(
     return plane, ledger, scheduler
 
 
+def _acme(plane: GenerationPlane) -> Tenant:
+    """The test tenant, as the edge identifies it from its key."""
+    return plane._directory.identify([("authorization", "Bearer k-acme")])
+
+
 async def _collect(plane: GenerationPlane, call: GenerationCall) -> list[str | Finished]:
-    async with contextlib.aclosing(plane.generate(KEY, call)) as items:
+    async with contextlib.aclosing(plane.generate(_acme(plane), call)) as items:
         return [item async for item in items]
 
 
@@ -148,7 +152,7 @@ async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -
     engine = FakeEngine(STORY)
     engine.hold.clear()  # the engine is still generating when the caller leaves
     plane, ledger, scheduler = _plane(engine)
-    items = plane.generate(KEY, GenerationCall(model="smollm2", prompt="Tell me"))
+    items = plane.generate(_acme(plane), GenerationCall(model="smollm2", prompt="Tell me"))
     assert await anext(items) == "Once"
     assert await anext(items) == " upon"
     assert scheduler.snapshot().in_flight["smollm2"] == 1

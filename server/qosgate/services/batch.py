@@ -22,15 +22,15 @@ from qosgate.jobs.model import ItemKind, ItemResult, Job, JobLimits, JobStatus, 
 from qosgate.jobs.runner import JobRunner
 from qosgate.jobs.store import JobStore
 from qosgate.services import status
-from qosgate.services.headers import text_headers
-from qosgate.tls import client_certificate
-from qosgate.v1 import batch_pb2, batch_pb2_grpc, embedding_pb2, generation_pb2
+from qosgate.v1 import batch_pb2, embedding_pb2, generation_pb2
 
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
 # Results sent per store read, and how often a follower looks for new ones.
 RESULTS_PAGE = 200
 FOLLOW_POLL_S = 0.25
+# Offsets are stored as signed 64-bit integers; the proto's uint64 allows more.
+MAX_OFFSET = 2**63 - 1
 
 _STATUS = {
     JobStatus.QUEUED: batch_pb2.BATCH_STATUS_QUEUED,
@@ -159,8 +159,9 @@ def result_message(result: ItemResult) -> batch_pb2.StreamBatchResultsResponse:
     return reply
 
 
-class BatchService(batch_pb2_grpc.BatchServiceServicer):
-    """Thin edge over JobStore and JobRunner; every RPC acts as the calling tenant."""
+class BatchService:
+    """Thin edge over JobStore and JobRunner; every RPC acts as the calling tenant (served
+    through `edge`, which identifies it)."""
 
     def __init__(
         self,
@@ -176,19 +177,13 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
         self._config = config
         self._callbacks = CallbackPolicy(config.callback_allowlist)
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self._directory.identify(text_headers(context), client_certificate(context))
-
-    async def CreateBatch(
+    async def CreateBatch(  # noqa: N802 - gRPC method name
         self,
-        request_iterator: AsyncIterator[batch_pb2.CreateBatchRequest],
+        tenant: Tenant,
+        chunks: AsyncIterator[batch_pb2.CreateBatchRequest],
         context: grpc.aio.ServicerContext,
     ) -> batch_pb2.CreateBatchResponse:
-        try:
-            tenant = self._tenant(context)
-            job = await self._create(tenant, request_iterator)
-        except errors.GatewayError as e:
-            await status.abort(context, e)
+        job = await self._create(tenant, chunks)
         self._runner.notify()
         return batch_pb2.CreateBatchResponse(batch=batch_message(job))
 
@@ -229,61 +224,49 @@ class BatchService(batch_pb2_grpc.BatchServiceServicer):
             await self._store.discard_job(job_id)
             raise
 
-    async def GetBatch(
-        self, request: batch_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
+    async def GetBatch(  # noqa: N802 - gRPC method name
+        self, tenant: Tenant, request: batch_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
     ) -> batch_pb2.GetBatchResponse:
-        try:
-            job = await self._store.get_job(self._tenant(context).name, request.batch_id)
-        except errors.GatewayError as e:
-            await status.abort(context, e)
+        job = await self._store.get_job(tenant.name, request.batch_id)
         return batch_pb2.GetBatchResponse(batch=batch_message(job))
 
-    async def ListBatches(
-        self, request: batch_pb2.ListBatchesRequest, context: grpc.aio.ServicerContext
+    async def ListBatches(  # noqa: N802 - gRPC method name
+        self, tenant: Tenant, request: batch_pb2.ListBatchesRequest, context: grpc.aio.ServicerContext
     ) -> batch_pb2.ListBatchesResponse:
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        try:
-            # One more than asked tells whether another page exists.
-            jobs = await self._store.list_jobs(
-                self._tenant(context).name, limit=size + 1, after_id=request.page_token or None
-            )
-        except errors.GatewayError as e:
-            await status.abort(context, e)
+        # One more than asked tells whether another page exists.
+        jobs = await self._store.list_jobs(tenant.name, limit=size + 1, after_id=request.page_token or None)
         page = jobs[:size]
         return batch_pb2.ListBatchesResponse(
             batches=[batch_message(j) for j in page],
             next_page_token=page[-1].id if len(jobs) > size else "",
         )
 
-    async def CancelBatch(
-        self, request: batch_pb2.CancelBatchRequest, context: grpc.aio.ServicerContext
+    async def CancelBatch(  # noqa: N802 - gRPC method name
+        self, tenant: Tenant, request: batch_pb2.CancelBatchRequest, context: grpc.aio.ServicerContext
     ) -> batch_pb2.CancelBatchResponse:
-        try:
-            job = await self._runner.cancel(self._tenant(context).name, request.batch_id)
-        except errors.GatewayError as e:
-            await status.abort(context, e)
+        job = await self._runner.cancel(tenant.name, request.batch_id)
         return batch_pb2.CancelBatchResponse(batch=batch_message(job))
 
-    async def StreamBatchResults(
-        self, request: batch_pb2.StreamBatchResultsRequest, context: grpc.aio.ServicerContext
+    async def StreamBatchResults(  # noqa: N802 - gRPC method name
+        self,
+        tenant: Tenant,
+        request: batch_pb2.StreamBatchResultsRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[batch_pb2.StreamBatchResultsResponse]:
-        try:
-            tenant = self._tenant(context).name
-            offset = request.offset
-            while True:
-                # Read the status first: results recorded before a job finished are all
-                # visible once it reads as finished, so the last read misses none.
-                finished = (await self._store.get_job(tenant, request.batch_id)).status.finished
-                results = await self._store.results(
-                    tenant, request.batch_id, offset=offset, limit=RESULTS_PAGE
-                )
-                for result in results:
-                    yield result_message(result)
-                offset += len(results)
-                if len(results) == RESULTS_PAGE:
-                    continue
-                if finished or not request.follow:
-                    return
-                await asyncio.sleep(FOLLOW_POLL_S)
-        except errors.GatewayError as e:
-            await status.abort(context, e)
+        if request.offset > MAX_OFFSET:
+            raise errors.InvalidArgument(f"offset must be at most {MAX_OFFSET}")
+        offset = request.offset
+        while True:
+            # Read the status first: results recorded before a job finished are all
+            # visible once it reads as finished, so the last read misses none.
+            finished = (await self._store.get_job(tenant.name, request.batch_id)).status.finished
+            results = await self._store.results(tenant.name, request.batch_id, offset=offset, limit=RESULTS_PAGE)
+            for result in results:
+                yield result_message(result)
+            offset += len(results)
+            if len(results) == RESULTS_PAGE:
+                continue
+            if finished or not request.follow:
+                return
+            await asyncio.sleep(FOLLOW_POLL_S)

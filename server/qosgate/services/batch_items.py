@@ -27,7 +27,7 @@ class PlaneItemExecutor:
             request = generation_pb2.GenerateRequest.FromString(payload)
             request.priority_class = klass
             async with contextlib.aclosing(
-                self._generation.generate_for(tenant, to_call(request, stream=False))
+                self._generation.generate(tenant, to_call(request, stream=False))
             ) as items:
                 response = await collect_response(items)
             return response.SerializeToString()

@@ -7,14 +7,11 @@ from collections.abc import Callable
 import grpc
 from tritonclient.grpc import service_pb2
 
-from qosgate.auth import TenantDirectory
+from qosgate.auth import Tenant
 from qosgate.embedding import EmbeddingPlane, Embeddings
-from qosgate.services import status
 from qosgate.services.generation import duration, upstream_error
-from qosgate.services.headers import text_headers
-from qosgate.tls import client_certificate
 from qosgate.upstream import UpstreamPool
-from qosgate.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
+from qosgate.v1 import common_pb2, embedding_pb2
 
 
 def embed_response(result: Embeddings) -> embedding_pb2.EmbedResponse:
@@ -29,32 +26,24 @@ def embed_response(result: Embeddings) -> embedding_pb2.EmbedResponse:
     )
 
 
-class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
-    """Embed on top of an EmbeddingPlane."""
+class EmbeddingServicer:
+    """Embed on top of an EmbeddingPlane (served through `edge`)."""
 
-    def __init__(
-        self, plane: EmbeddingPlane, directory: TenantDirectory, *, clock_now: Callable[[], float]
-    ) -> None:
+    def __init__(self, plane: EmbeddingPlane, *, clock_now: Callable[[], float]) -> None:
         self._plane = plane
-        self._directory = directory
         self._now = clock_now
 
-    async def Embed(
-        self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    async def Embed(  # noqa: N802 - gRPC method name
+        self, tenant: Tenant, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> embedding_pb2.EmbedResponse:
-        try:
-            tenant = self._directory.identify(text_headers(context), client_certificate(context))
-            remaining = context.time_remaining()
-            result = await self._plane.embed(
-                tenant,
-                request.model,
-                list(request.inputs),
-                priority_class=request.priority_class or None,
-                deadline=None if remaining is None else self._now() + remaining,
-            )
-        except Exception as e:  # domain errors by the table; anything else INTERNAL
-            await status.abort(context, e)
-            raise
+        remaining = context.time_remaining()
+        result = await self._plane.embed(
+            tenant,
+            request.model,
+            list(request.inputs),
+            priority_class=request.priority_class or None,
+            deadline=None if remaining is None else self._now() + remaining,
+        )
         return embed_response(result)
 
 

@@ -16,13 +16,12 @@ from tritonclient.grpc import service_pb2
 
 from qosgate import errors
 from qosgate.adapters.domain import ChatMessage, FinishReason, Role
+from qosgate.auth import Tenant
 from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationPlane
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
-from qosgate.services.headers import text_headers
-from qosgate.tls import client_certificate
 from qosgate.upstream import Upstream, UpstreamPool
-from qosgate.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from qosgate.v1 import common_pb2, generation_pb2
 
 _ROLES = {
     generation_pb2.ROLE_SYSTEM: Role.SYSTEM,
@@ -120,8 +119,8 @@ def upstream_error(pool: UpstreamPool, upstream: Upstream, error: grpc.aio.AioRp
     return kind(f"Triton: {error.details()}")
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """Generate and GenerateStream on top of a GenerationPlane."""
+class GenerationServicer:
+    """Generate and GenerateStream on top of a GenerationPlane (served through `edge`)."""
 
     def __init__(
         self, plane: GenerationPlane, *, clock_now: Callable[[], float], metrics: GatewayMetrics
@@ -132,7 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _record(self, rpc: str, model: str, labels: CallLabels, error: BaseException | None) -> None:
         code = "OK"
-        if isinstance(error, asyncio.CancelledError):
+        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             code = grpc.StatusCode.CANCELLED.name
         elif error is not None:
             row = status.row_of(error)
@@ -147,43 +146,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         return None if remaining is None else self._now() + remaining
 
-    def _generate(
-        self, call: GenerationCall, context: grpc.aio.ServicerContext, labels: CallLabels
-    ) -> AsyncGenerator[str | Finished, None]:
-        """The plane's items for `call`, on behalf of the caller's key or client certificate."""
-        return self._plane.generate(
-            text_headers(context),
-            call,
-            certificate=client_certificate(context),
-            deadline=self._deadline(context),
-            labels=labels,
-        )
-
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, tenant: Tenant, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
-        labels = CallLabels()
+        labels = CallLabels(tenant=tenant.name)
         try:
             call = to_call(request, stream=False)
-            async with contextlib.aclosing(self._generate(call, context, labels)) as items:
+            async with contextlib.aclosing(
+                self._plane.generate(tenant, call, deadline=self._deadline(context), labels=labels)
+            ) as items:
                 response = await collect_response(items)
-        except asyncio.CancelledError as e:
+        except BaseException as e:  # recorded by cause; the edge answers it
             self._record("Generate", request.model, labels, e)
-            raise
-        except Exception as e:  # domain errors by the table; anything else INTERNAL
-            self._record("Generate", request.model, labels, e)
-            await status.abort(context, e)
             raise
         self._record("Generate", request.model, labels, None)
         return response
 
     async def GenerateStream(  # noqa: N802 - gRPC method name
-        self, request: generation_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+        self,
+        tenant: Tenant,
+        request: generation_pb2.GenerateStreamRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        labels = CallLabels()
+        labels = CallLabels(tenant=tenant.name)
         try:
             call = to_call(request, stream=True)
-            async with contextlib.aclosing(self._generate(call, context, labels)) as items:
+            async with contextlib.aclosing(
+                self._plane.generate(tenant, call, deadline=self._deadline(context), labels=labels)
+            ) as items:
                 async for item in items:
                     if isinstance(item, Finished):
                         yield generation_pb2.GenerateStreamResponse(
@@ -191,13 +181,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         )
                     else:
                         yield generation_pb2.GenerateStreamResponse(text=item)
-        except (asyncio.CancelledError, GeneratorExit):
-            # The caller went away mid-stream.
-            self._record("GenerateStream", request.model, labels, asyncio.CancelledError())
-            raise
-        except Exception as e:
+        except BaseException as e:  # GeneratorExit or CancelledError: the caller went away
             self._record("GenerateStream", request.model, labels, e)
-            await status.abort(context, e)
             raise
         self._record("GenerateStream", request.model, labels, None)
 

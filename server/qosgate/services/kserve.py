@@ -3,8 +3,8 @@
 Every RPC of the service is handled here, registered with bytes in and bytes out so the
 gateway forwards what the caller sent without decoding tensors:
 
-- inference (ModelInfer; ModelStreamInfer per request inside the stream): identify →
-  authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended to the
+- inference (ModelInfer; ModelStreamInfer per request inside the stream): identify (by
+  `edge`, as for every RPC) → authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended to the
   request bytes) → forward;
 - model-scoped metadata (ModelReady/Metadata/Config/Statistics) and RepositoryIndex:
   forwarded after authentication, showing a tenant only its allowed models; asking about
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 from tritonclient.grpc import service_pb2
 
 from qosgate import errors
@@ -36,9 +37,8 @@ from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused
 from qosgate.scheduler import Dispatch, Scheduler
 from qosgate.scheduler.cost import unit_cost
-from qosgate.services import infer_wire, status
+from qosgate.services import edge, infer_wire, status
 from qosgate.services.headers import text_headers
-from qosgate.tls import client_certificate
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import METHODS, SERVICE
 
@@ -64,11 +64,11 @@ ADMIN_ONLY = frozenset(
     }
 )
 OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
-# Requests whose first field is the model's name (`name`).
-MODEL_SCOPED = {
-    "ModelReady": service_pb2.ModelReadyRequest,
-    "ModelMetadata": service_pb2.ModelMetadataRequest,
-    "ModelConfig": service_pb2.ModelConfigRequest,
+# Requests that name one model (`name`).
+MODEL_SCOPED = frozenset({"ModelReady", "ModelMetadata", "ModelConfig"})
+_REQUEST_TYPES = {
+    m.name: message_factory.GetMessageClass(m.input_type)
+    for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
 }
 
 
@@ -108,11 +108,13 @@ class KServeService:
 
     # -- registration ---------------------------------------------------------------
 
-    def rpc_handler(self) -> grpc.GenericRpcHandler:
-        """A generic handler covering every method of the service (bytes in, bytes out)."""
-        handlers: dict[str, grpc.RpcMethodHandler] = {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(self._model_infer),
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self._model_stream_infer),
+    def methods(self) -> dict[str, edge.Method]:
+        """Every method of the service, bytes in and bytes out, for `edge.Edge.handler`."""
+        methods = {
+            "ModelInfer": edge.Method(self._model_infer),
+            "ModelStreamInfer": edge.Method(
+                self._model_stream_infer, client_streaming=True, server_streaming=True
+            ),
             "RepositoryIndex": self._metadata_rpc(
                 "RepositoryIndex", _anyone, _visible_only(service_pb2.RepositoryIndexResponse, "models")
             ),
@@ -123,47 +125,41 @@ class KServeService:
             ),
         }
         for method in MODEL_SCOPED:
-            handlers[method] = self._metadata_rpc(method, self._named_model(MODEL_SCOPED[method]))
+            methods[method] = self._metadata_rpc(method, self._named_model)
         for method in ADMIN_ONLY:
-            handlers[method] = self._metadata_rpc(method, self._admin(method))
+            methods[method] = self._metadata_rpc(method, self._admin(method))
         for method in OPEN:
-            handlers[method] = self._metadata_rpc(method, _anyone)
-        missing = set(METHODS) - set(handlers)
+            methods[method] = self._metadata_rpc(method, _anyone)
+        missing = set(METHODS) - set(methods)
         if missing:  # a newer tritonclient added an RPC: refuse to start rather than 501 it
             raise RuntimeError(f"no handler for {SERVICE} methods {sorted(missing)}")
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+        return methods
 
     # -- metadata and admin RPCs -----------------------------------------------------
 
     def _metadata_rpc(
         self, method: str, check: _Check, reply_filter: _ReplyFilter | None = None
-    ) -> grpc.RpcMethodHandler:
-        """Identify, `check` the request, forward it, and pass the reply through `reply_filter`."""
+    ) -> edge.Method:
+        """Parse (Triton must never see bytes it cannot parse), `check` the request, forward
+        the bytes as they came, and pass the reply through `reply_filter`."""
+        parse = edge.parser(_REQUEST_TYPES[method])
 
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            try:
-                tenant = self._directory.identify(text_headers(context), client_certificate(context))
-                check(tenant, request)
-                reply = await self._forward(method, request, context)
-                return reply if reply_filter is None else reply_filter(tenant, reply)
-            except grpc.aio.AbortError:
-                raise  # already answered (an upstream error passed through)
-            except Exception as e:  # domain errors by the table; anything else is INTERNAL
-                await status.abort(context, e)
-                raise
+        async def handle(tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            check(tenant, parse(request))
+            reply = await self._forward(method, request, context)
+            return reply if reply_filter is None else reply_filter(tenant, reply)
 
-        return grpc.unary_unary_rpc_method_handler(handle)
+        return edge.Method(handle)
 
     def _admin(self, method: str) -> _Check:
         return lambda tenant, _request: self._directory.require_admin(tenant, method)
 
-    def _named_model(self, request_type: type[Any]) -> _Check:
-        return lambda tenant, request: self._directory.require_model(tenant, _decode(request_type, request).name)
+    def _named_model(self, tenant: Tenant, request: Any) -> None:
+        self._directory.require_model(tenant, request.name)
 
-    def _named_model_if_any(self, tenant: Tenant, request: bytes) -> None:
-        name = _decode(service_pb2.ModelStatisticsRequest, request).name
-        if name:  # empty asks for every model: the reply is filtered instead
-            self._directory.require_model(tenant, name)
+    def _named_model_if_any(self, tenant: Tenant, request: Any) -> None:
+        if request.name:  # empty asks for every model: the reply is filtered instead
+            self._directory.require_model(tenant, request.name)
 
     async def _forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         upstream = self._pool.pick()
@@ -216,14 +212,10 @@ class KServeService:
                 self._metrics.rejected(row.reason, outcome.tenant, outcome.klass)
         self._metrics.request_done(outcome.rpc, outcome.model, outcome.tenant, outcome.klass, outcome.code)
 
-    async def _model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        outcome = _Outcome("ModelInfer")
+    async def _model_infer(self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        outcome = _Outcome("ModelInfer", tenant=tenant.name)
         try:
-            return await self._infer_once(request, context, outcome)
-        except errors.GatewayError as e:
-            self._record(outcome, e)
-            await status.abort(context, e)
-            raise
+            return await self._infer_once(tenant, request, context, outcome)
         except grpc.aio.AbortError:
             self._record(outcome, None)
             raise
@@ -231,17 +223,14 @@ class KServeService:
             outcome.code = grpc.StatusCode.CANCELLED.name
             self._record(outcome, None)
             raise
-        except Exception as e:  # a bug: generic INTERNAL to the caller, the cause logged
+        except Exception as e:  # refused or a bug: recorded here, answered by the edge
             self._record(outcome, e)
-            await status.abort(context, e)
             raise
 
     async def _infer_once(
-        self, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
+        self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
     ) -> bytes:
         metadata = text_headers(context)
-        tenant = self._directory.identify(metadata, client_certificate(context))
-        outcome.tenant = tenant.name
         head = _peek(request)
         model = head.model_name
         klass = self._authorize(tenant, metadata, model)
@@ -274,16 +263,16 @@ class KServeService:
         return response
 
     async def _model_stream_infer(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, tenant: Tenant, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
-        await _StreamSession(self, requests, context).run()
+        await _StreamSession(self, tenant, requests, context).run()
 
 
-_Check = Callable[[Tenant, bytes], None]
+_Check = Callable[[Tenant, Any], None]
 _ReplyFilter = Callable[[Tenant, bytes], bytes]
 
 
-def _anyone(_tenant: Tenant, _request: bytes) -> None:
+def _anyone(_tenant: Tenant, _request: Any) -> None:
     """Any authenticated tenant may call."""
 
 
@@ -299,13 +288,6 @@ def _visible_only(response_type: type[Any], field_name: str) -> _ReplyFilter:
         return message.SerializeToString()
 
     return keep_visible
-
-
-def _decode(message_type: type[Any], raw: bytes) -> Any:
-    try:
-        return message_type.FromString(raw)
-    except Exception:
-        raise errors.InvalidArgument(f"malformed {message_type.DESCRIPTOR.name}") from None
 
 
 def _peek(raw: bytes) -> infer_wire.InferRequestHead:
@@ -347,9 +329,14 @@ class _StreamSession:
     """
 
     def __init__(
-        self, service: KServeService, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self,
+        service: KServeService,
+        tenant: Tenant,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
     ) -> None:
         self._svc = service
+        self._tenant = tenant
         self._requests = requests
         self._context = context
         self._metadata = text_headers(context)
@@ -367,19 +354,17 @@ class _StreamSession:
     async def run(self) -> None:
         svc, context = self._svc, self._context
         try:
-            tenant = svc._directory.identify(self._metadata, client_certificate(context))
             upstream = svc._pool.pick()
-        except errors.GatewayError as e:
-            svc._record(_Outcome("ModelStreamInfer"), e)
-            await status.abort(context, e)
-            return
+        except errors.GatewayError as e:  # answered by the edge
+            svc._record(_Outcome("ModelStreamInfer", tenant=self._tenant.name), e)
+            raise
         forwarded = (
             ((GRPC_ERROR_HEADER, self._metadata[GRPC_ERROR_HEADER]),) if self._close_on_error else None
         )
         self._upstream_name = upstream.name
         with upstream.lease():
             call = upstream.stream()(timeout=context.time_remaining(), metadata=forwarded)
-            pump = asyncio.create_task(self._pump(tenant, call))
+            pump = asyncio.create_task(self._pump(self._tenant, call))
             reader = asyncio.create_task(self._read(call))
             try:
                 while (item := await self._outbox.get()) is not None:

@@ -1,0 +1,177 @@
+"""The one way every gateway RPC is served: identify the caller, parse, call, answer errors.
+
+Methods are registered bytes in: the request is parsed here, AFTER the caller is
+identified. So a caller without a valid key gets UNAUTHENTICATED whatever bytes it sends,
+and bytes that do not parse are INVALID_ARGUMENT, where grpc's own deserializer would
+answer UNKNOWN before authentication and log a traceback per call (a log flood anyone
+could cause). Whatever a servicer raises goes through the one error table
+(`services.status`): refusals with their code and message, anything else INTERNAL with an
+incident number.
+
+A servicer method takes `(tenant, request, context)`: the request parsed (or, for a
+client stream, an async iterator of parsed requests; or the bytes as they came when the
+method has no parser), and returns or yields the response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from qosgate import errors
+from qosgate.auth import Tenant, TenantDirectory
+from qosgate.metrics import GatewayMetrics
+from qosgate.services import status
+from qosgate.tls import client_certificate
+
+Parse = Callable[[bytes], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One RPC: its implementation and shape; no `parse`/`serialize` means bytes as they are."""
+
+    call: Callable[..., Any]
+    client_streaming: bool = False
+    server_streaming: bool = False
+    parse: Parse | None = None
+    serialize: Callable[[Any], bytes] | None = None
+
+
+def parser(message_type: type[Message]) -> Parse:
+    """Parses one request of `message_type`; bytes that do not parse are INVALID_ARGUMENT."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Message:
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            raise errors.InvalidArgument(f"malformed {name}") from None
+
+    return parse
+
+
+def servicer_methods(service: ServiceDescriptor, servicer: object) -> dict[str, Method]:
+    """Every method of a qosgate.v1 `service`, implemented by `servicer`'s method of the
+    same name (refusing to start if one is missing rather than answering UNIMPLEMENTED)."""
+    methods = {}
+    for method in service.methods:
+        call = getattr(servicer, method.name, None)
+        if call is None:
+            raise RuntimeError(f"{type(servicer).__name__} does not implement {method.full_name}")
+        methods[method.name] = Method(
+            call=call,
+            client_streaming=method.client_streaming,
+            server_streaming=method.server_streaming,
+            parse=parser(message_factory.GetMessageClass(method.input_type)),
+            serialize=message_factory.GetMessageClass(method.output_type).SerializeToString,
+        )
+    return methods
+
+
+class Edge:
+    """Turns Methods into gRPC handlers that identify the caller first (see the module)."""
+
+    def __init__(self, directory: TenantDirectory, metrics: GatewayMetrics) -> None:
+        self._directory = directory
+        self._metrics = metrics
+
+    def handler(self, service: str, methods: Mapping[str, Method]) -> grpc.GenericRpcHandler:
+        """A generic handler serving `methods` of the fully qualified `service`."""
+        handlers = {name: self._rpc_handler(method) for name, method in methods.items()}
+        return grpc.method_handlers_generic_handler(service, handlers)
+
+    def _rpc_handler(self, method: Method) -> grpc.RpcMethodHandler:
+        serializer = method.serialize
+        if method.client_streaming and method.server_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream_stream(method), response_serializer=serializer
+            )
+        if method.client_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                self._stream_unary(method), response_serializer=serializer
+            )
+        if method.server_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._unary_stream(method), response_serializer=serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary_unary(method), response_serializer=serializer
+        )
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> Tenant:
+        try:
+            return self._directory.identify(context.invocation_metadata() or (), client_certificate(context))
+        except errors.GatewayError as e:
+            self._metrics.rejected(status.row_of(e).reason, "", "")
+            raise
+
+    def _parse(self, method: Method, tenant: Tenant, raw: bytes) -> Any:
+        if method.parse is None:
+            return raw
+        try:
+            return method.parse(raw)
+        except errors.GatewayError as e:
+            self._metrics.rejected(status.row_of(e).reason, tenant.name, "")
+            raise
+
+    def _unary_unary(self, method: Method) -> Callable[..., Any]:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                tenant = self._identify(context)
+                return await method.call(tenant, self._parse(method, tenant, raw), context)
+            except Exception as e:
+                await _answer(context, e)
+
+        return handle
+
+    def _unary_stream(self, method: Method) -> Callable[..., Any]:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                tenant = self._identify(context)
+                async for reply in method.call(tenant, self._parse(method, tenant, raw), context):
+                    yield reply
+            except Exception as e:
+                await _answer(context, e)
+
+        return handle
+
+    def _stream_unary(self, method: Method) -> Callable[..., Any]:
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            try:
+                tenant = self._identify(context)
+                return await method.call(tenant, self._parsed(method, tenant, requests), context)
+            except Exception as e:
+                await _answer(context, e)
+
+        return handle
+
+    def _stream_stream(self, method: Method) -> Callable[..., Any]:
+        # The servicer answers each request's failure in the stream itself (KServe's way);
+        # only a failure of the whole call (identification included) ends it here.
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            try:
+                tenant = self._identify(context)
+                await method.call(tenant, self._parsed(method, tenant, requests), context)
+            except Exception as e:
+                await _answer(context, e)
+
+        return handle
+
+    async def _parsed(
+        self, method: Method, tenant: Tenant, requests: AsyncIterator[bytes]
+    ) -> AsyncIterator[Any]:
+        async for raw in requests:
+            yield self._parse(method, tenant, raw)
+
+
+async def _answer(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    if isinstance(error, grpc.aio.AbortError):
+        raise error  # the servicer already answered (e.g. Triton's own error passed through)
+    await status.abort(context, error)
