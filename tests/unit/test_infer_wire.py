@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from qosgate.services import infer_wire
@@ -121,3 +124,69 @@ def test_truncated_bytes_are_rejected() -> None:
     raw = _request().SerializeToString()
     with pytest.raises(infer_wire.WireError):
         infer_wire.peek_request(raw[:-3])
+
+
+def _rich_request() -> bytes:
+    """A request using every kind of field the check looks inside."""
+    request = _request(triton_enable_empty_final_response=True, name="x")
+    tensor = request.inputs.add(name="INPUT1", datatype="INT64", shape=[3])
+    tensor.parameters["p"].string_param = "v"
+    tensor.contents.int64_contents.extend([1, -5, 2**40])
+    tensor.contents.fp32_contents.extend([1.0, 2.0])
+    tensor.contents.bytes_contents.append(b"\xff raw bytes need not be text")
+    request.outputs.add(name="OUT").parameters["q"].bool_param = True
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x0a\x02\xff\xfe",  # model_name not UTF-8
+        b"\x1a\x03\xed\xa0\x80",  # id holding a UTF-16 surrogate
+        b"\x2a\x04\x0a\x02\xc3\x28",  # inputs[0].name not UTF-8
+        b"\x22\x06\x0a\x04\x80\x80\x80\x80",  # a parameters key not UTF-8
+        b"\x2a\x03\x1a\x01\x80",  # inputs[0].shape: a packed varint cut short
+        b"\x2a\x05\x2a\x03\x32\x01\x00",  # inputs[0].contents.fp32_contents: 1 byte of a float
+        b"\x2a\x02\x0a\x05",  # inputs[0]: a field longer than its message
+        b"\x00\x01",  # field number 0
+    ],
+)
+def test_requests_the_protobuf_runtime_refuses_are_refused(raw: bytes) -> None:
+    with pytest.raises(DecodeError):
+        service_pb2.ModelInferRequest.FromString(raw)
+    with pytest.raises(infer_wire.WireError):
+        infer_wire.peek_request(raw)
+
+
+_VALID = _rich_request()
+_EDITS = st.lists(
+    st.tuples(st.sampled_from(["set", "insert", "delete"]), st.integers(0, len(_VALID) - 1), st.integers(0, 255)),
+    min_size=1,
+    max_size=4,
+)
+
+
+def test_the_rich_request_passes() -> None:
+    assert infer_wire.peek_request(_VALID).wants_empty_final
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(_EDITS)
+def test_mutated_requests_are_refused_whenever_the_protobuf_runtime_refuses_them(
+    edits: list[tuple[str, int, int]],
+) -> None:
+    raw = bytearray(_VALID)
+    for op, at, value in edits:
+        at = min(at, len(raw) - 1)
+        if op == "set":
+            raw[at] = value
+        elif op == "insert":
+            raw.insert(at, value)
+        else:
+            del raw[at]
+    try:
+        service_pb2.ModelInferRequest.FromString(bytes(raw))
+    except DecodeError:
+        # What Triton's parser would refuse must never be forwarded.
+        with pytest.raises(infer_wire.WireError):
+            infer_wire.peek_request(bytes(raw))

@@ -10,12 +10,21 @@ request with our `priority`/`timeout` parameters (or id) overriding whatever the
 set, without copying or re-encoding the tensors (tests check this against the real
 protobuf runtime).
 
+A request is also checked the way Triton's parser will check it (well-formed fields at
+every level, UTF-8 in every string, whole elements in packed fields) before it is
+forwarded: Triton answers a unary request it cannot parse with INTERNAL, and ends a whole
+ModelStreamInfer stream at one, silently dropping the requests after it.
+
 Field numbers are from KServe v2's grpc_service.proto (tritonclient.grpc.service_pb2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from tritonclient.grpc import service_pb2
 
 # ModelInferRequest / ModelInferResponse
 _MODEL_NAME = 1
@@ -46,7 +55,7 @@ class WireError(ValueError):
     """The bytes are not a well-formed protobuf message."""
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+def _read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     result = 0
     shift = 0
     while True:
@@ -62,7 +71,7 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise WireError("varint too long")
 
 
-def _skip(buf: bytes, pos: int, wire_type: int) -> int:
+def _skip(buf: bytes | memoryview, pos: int, wire_type: int) -> int:
     if wire_type == _VARINT:
         return _read_varint(buf, pos)[1]
     if wire_type == _LEN:
@@ -78,7 +87,7 @@ def _skip(buf: bytes, pos: int, wire_type: int) -> int:
     raise WireError(f"unsupported wire type {wire_type}")
 
 
-def _fields(buf: bytes):
+def _fields(buf: bytes | memoryview):
     """Yield (field number, wire type, start, end) of each top-level field.
 
     For length-delimited fields start/end bound the payload; for others, the raw value
@@ -89,6 +98,8 @@ def _fields(buf: bytes):
     while pos < size:
         key, pos = _read_varint(buf, pos)
         number, wire_type = key >> 3, key & 7
+        if number == 0 or key >> 32:
+            raise WireError("invalid field number")
         if wire_type == _LEN:
             length, pos = _read_varint(buf, pos)
             end = pos + length
@@ -122,6 +133,86 @@ def _map_entry_bool(buf: bytes) -> bool | None:
     return None
 
 
+# What the protobuf runtime checks in a field it knows, by type; other types need nothing
+# beyond the well-formed framing that `_fields` checks.
+_PACKED_SIZES = {
+    **dict.fromkeys(
+        (
+            FieldDescriptor.TYPE_INT32,
+            FieldDescriptor.TYPE_INT64,
+            FieldDescriptor.TYPE_UINT32,
+            FieldDescriptor.TYPE_UINT64,
+            FieldDescriptor.TYPE_SINT32,
+            FieldDescriptor.TYPE_SINT64,
+            FieldDescriptor.TYPE_BOOL,
+            FieldDescriptor.TYPE_ENUM,
+        ),
+        0,  # varints
+    ),
+    **dict.fromkeys(
+        (FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32, FieldDescriptor.TYPE_FLOAT), 4
+    ),
+    **dict.fromkeys(
+        (FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64, FieldDescriptor.TYPE_DOUBLE), 8
+    ),
+}
+# A varint is at most 10 bytes: 10 continuation bytes in a row make a packed field invalid.
+_OVERLONG_VARINT = re.compile(rb"[\x80-\xff]{10}")
+
+
+@dataclass(slots=True)
+class _Schema:
+    """The length-delimited fields of one message type that its parser looks inside."""
+
+    strings: frozenset[int]
+    packed: dict[int, int]  # field number -> element size (0: varints)
+    messages: dict[int, _Schema] = field(default_factory=dict)
+
+
+def _schema(descriptor: Descriptor) -> _Schema:
+    # KServe's request types are not recursive, so plain recursion ends.
+    return _Schema(
+        strings=frozenset(f.number for f in descriptor.fields if f.type == FieldDescriptor.TYPE_STRING),
+        packed={
+            f.number: _PACKED_SIZES[f.type]
+            for f in descriptor.fields
+            if f.is_repeated and f.type in _PACKED_SIZES
+        },
+        messages={f.number: _schema(f.message_type) for f in descriptor.fields if f.message_type},
+    )
+
+
+_INFER_REQUEST = _schema(service_pb2.ModelInferRequest.DESCRIPTOR)
+
+
+def _check_field(buf: bytes | memoryview, start: int, end: int, number: int, schema: _Schema) -> None:
+    """Raise WireError where the protobuf runtime would refuse field `number`'s payload."""
+    if number in schema.strings:
+        try:
+            str(buf[start:end], "utf-8")
+        except UnicodeDecodeError:
+            raise WireError(f"field {number} is not valid UTF-8") from None
+        return
+    nested = schema.messages.get(number)
+    if nested is not None:
+        _check(memoryview(buf)[start:end], nested)
+        return
+    size = schema.packed.get(number)
+    if size is None:
+        return
+    if size:
+        if (end - start) % size:
+            raise WireError(f"packed field {number} holds a partial element")
+    elif end > start and (buf[end - 1] >= 0x80 or _OVERLONG_VARINT.search(buf, start, end)):
+        raise WireError(f"packed field {number} holds an invalid varint")
+
+
+def _check(buf: memoryview, schema: _Schema) -> None:
+    for number, wire_type, start, end in _fields(buf):
+        if wire_type == _LEN:
+            _check_field(buf, start, end, number, schema)
+
+
 @dataclass(slots=True)
 class InferRequestHead:
     """The routing fields of a ModelInferRequest (last occurrence wins, as in protobuf)."""
@@ -134,20 +225,22 @@ class InferRequestHead:
 
 
 def peek_request(buf: bytes) -> InferRequestHead:
-    """Read model_name, id, the empty-final-response opt-in and the batch rows; tensor
-    contents are skipped."""
+    """Read model_name, id, the empty-final-response opt-in and the batch rows, and check
+    the whole request as Triton's parser would (WireError where it would refuse it); tensor
+    bytes are skipped."""
     head = InferRequestHead()
     first_input = True
     for number, wire_type, start, end in _fields(buf):
         if wire_type != _LEN:
             continue
+        _check_field(buf, start, end, number, _INFER_REQUEST)
         if number == _REQUEST_INPUTS and first_input:
             first_input = False
             head.rows = _first_dimension(buf[start:end], head.rows)
         elif number == _MODEL_NAME:
-            head.model_name = buf[start:end].decode("utf-8", "replace")
+            head.model_name = str(buf[start:end], "utf-8")
         elif number == _ID:
-            head.id = buf[start:end].decode("utf-8", "replace")
+            head.id = str(buf[start:end], "utf-8")
         elif number == _PARAMETERS:
             entry = buf[start:end]
             if _map_entry_key(entry) == EMPTY_FINAL_PARAM:
