@@ -108,3 +108,11 @@ def test_retry_delay_rounds_up() -> None:
     info = error_details_pb2.RetryInfo()
     rich.details[0].Unpack(info)
     assert (info.retry_delay.seconds, info.retry_delay.nanos) == (0, 2000)
+
+
+def test_a_message_quoting_a_huge_value_is_cut_to_the_bound() -> None:
+    rich = status.to_rich_status(errors.PermissionDenied(f"may not use model {'m' * 100_000!r}"))
+    assert len(rich.message) == status.MAX_MESSAGE_CHARS
+    assert rich.message.startswith("may not use model 'mmm") and rich.message.endswith("...")
+    short = status.to_rich_status(errors.InvalidArgument("x" * status.MAX_MESSAGE_CHARS))
+    assert short.message == "x" * status.MAX_MESSAGE_CHARS

@@ -29,7 +29,10 @@ class CallbackPolicy:
 
     def check(self, url: str) -> None:
         """Raises InvalidArgument unless `url` may be called."""
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError:  # e.g. "http://[": an unclosed IPv6 literal
+            raise InvalidArgument(f"callback_url {url!r} is not a valid URL") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidArgument(f"callback_url {url!r} is not an absolute http(s) URL")
         for allowed in self._allowed:

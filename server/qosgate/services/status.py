@@ -26,6 +26,9 @@ from qosgate import errors
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal error"
+# Messages quote what the caller sent (a model name, a URL): bounded, so that a huge value
+# cannot make the status trailer exceed what a client accepts (8 KiB by default in gRPC).
+MAX_MESSAGE_CHARS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,10 @@ def _public_message(error: BaseException, row: StatusRow) -> str:
         # The cause goes to the log only: it may name files, hosts or upstream internals.
         log.error("internal error (incident %d): %r", incident, error, exc_info=error)
         return f"{INTERNAL_MESSAGE} (incident {incident})"
-    return error.message  # type: ignore[attr-defined]
+    message: str = error.message  # type: ignore[attr-defined]
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return message
 
 
 def to_rich_status(error: BaseException) -> status_pb2.Status:
