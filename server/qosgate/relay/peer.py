@@ -77,17 +77,28 @@ class Pipe:
 
 
 class Flusher:
-    """Writes every connection marked dirty, once, at the end of a callback."""
+    """Writes every connection marked dirty, once, after the loop's current I/O callbacks.
 
-    __slots__ = ("_dirty",)
+    The loop runs the callbacks of every socket that became readable, then the ones they
+    scheduled: so calls that arrived together on several connections leave in one write
+    per connection, not one per event.
+    """
+
+    __slots__ = ("_dirty", "_scheduled", "_loop")
 
     def __init__(self) -> None:
         self._dirty: list[Peer] = []
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
 
     def mark(self, peer: Peer) -> None:
         self._dirty.append(peer)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
+        self._scheduled = False
         dirty = self._dirty
         while dirty:
             peer = dirty.pop()
@@ -114,20 +125,18 @@ class Peer(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         self.touch()
-        self.flusher.flush()
 
     def data_received(self, data: bytes) -> None:
         try:
             events = self.h2.feed(data)
         except http2.ProtocolError as e:
             log.info("closing an HTTP/2 connection after a protocol error: %s", e)
-            self.touch()
-            self.flusher.flush()
-            self.abort()
+            self.write_out()  # the GOAWAY saying why
+            if self.transport is not None:
+                self.transport.close()
             return
         self.handle(events)
         self.touch()
-        self.flusher.flush()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -135,13 +144,11 @@ class Peer(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused = False
         self.touch()
-        self.flusher.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
         self.lost()
-        self.flusher.flush()
 
     # -- writing ------------------------------------------------------------------------
 

@@ -231,7 +231,6 @@ class Call:
                 self.report(None, _CANCEL)
         else:
             self.apply(task.result(), message, first, waited=True)
-        self.down.flusher.flush()
 
     def apply(
         self, decision: Decision, message: bytes, first: framing.FirstMessage | None, *, waited: bool
@@ -329,7 +328,6 @@ class Call:
                 self.up.h2.reset(self.up_id, _CANCEL)
                 self.up.touch()
             self.fail(Refuse(DEADLINE_EXCEEDED, "Deadline Exceeded"))
-        self.down.flusher.flush()
 
     def refuse(self, refusal: Refuse) -> None:
         """Answer with a status before any response went out (trailers-only)."""
