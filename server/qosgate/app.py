@@ -1,7 +1,7 @@
 """Wiring: one place where config becomes a running gateway.
 
 `Gateway` builds the domain (tenants, admission, scheduler) and the edge (KServe service,
-gRPC health reflecting upstream readiness, server reflection, Prometheus metrics) from a
+gRPC health reflecting upstream liveness, server reflection, Prometheus metrics) from a
 GatewayConfig, and owns their lifecycle. `serve` runs it until SIGINT/SIGTERM; `up` runs
 it in front of a local tritonserver and stops both.
 """
@@ -215,7 +215,7 @@ class Gateway:
         await self.pool.start()
         self._engine_load.start()
         self.metrics.watch(
-            self.scheduler.snapshot, lambda: ((u.name, u.healthy) for u in self.pool.upstreams)
+            self.scheduler.snapshot, lambda: ((u.name, u.live) for u in self.pool.upstreams)
         )
         if self._serve_metrics:
             self._metrics_endpoint = self.metrics.serve(self.config.metrics_listen)
@@ -244,8 +244,12 @@ class Gateway:
         self.config = merged
         return pending
 
-    async def _publish_health(self, ready: bool) -> None:
-        state = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    async def _publish_health(self, upstream_live: bool) -> None:
+        """SERVING while at least one upstream is live. Not per model: a model loading or
+        unloading leaves the gateway serving every other model (and that one's metadata)."""
+        state = (
+            health_pb2.HealthCheckResponse.SERVING if upstream_live else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in ("", KSERVE_SERVICE):
             await self.health.set(service, state)
 

@@ -491,7 +491,7 @@ class GatewayConfig(_Frozen):
     upstreams: list[UpstreamConfig] = Field(
         default_factory=lambda: [UpstreamConfig(name="local", url="127.0.0.1:8001")]
     )
-    """Triton endpoints; requests go to a healthy one."""
+    """Triton endpoints; requests go to a live one."""
     classes: list[str] = Field(default_factory=lambda: list(DEFAULT_CLASSES), min_length=1)
     """Priority classes, highest first; Triton priority level = position (1 = highest)."""
     default_class: str | None = None

@@ -49,7 +49,7 @@ class QuotaExceeded(GatewayError):
 
 
 class Unavailable(GatewayError):
-    """Shed under overload, a full queue, or no healthy upstream; the call may be retried."""
+    """Shed under overload, a full queue, or no live upstream; the call may be retried."""
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)

@@ -2,7 +2,7 @@
 
 Label children are cached per label tuple: prometheus_client's `labels()` takes a lock and
 builds a key on every call, which the hot path does not need to pay twice per request.
-Queue depth, in-flight counts and upstream readiness are not counted by the edge: they are
+Queue depth, in-flight counts and upstream liveness are not counted by the edge: they are
 read from their owners at scrape time, so they cannot drift from the real state.
 """
 
@@ -64,14 +64,14 @@ class _ScrapeTimeCollector(Collector):
         )
         for (model, tenant), cost in snapshot.served.items():
             served.add_metric((model, tenant), cost)
-        ready = GaugeMetricFamily(
-            "qosgate_upstream_ready",
-            "1 if the upstream answered ServerReady at the last check",
+        live = GaugeMetricFamily(
+            "qosgate_upstream_live",
+            "1 if the upstream answered ServerLive at the last check",
             labels=("upstream",),
         )
-        for name, healthy in self._upstreams():
-            ready.add_metric((name,), 1 if healthy else 0)
-        yield from (depth, in_flight, window, served, ready)
+        for name, is_live in self._upstreams():
+            live.add_metric((name,), 1 if is_live else 0)
+        yield from (depth, in_flight, window, served, live)
 
 
 class GatewayMetrics:
@@ -119,7 +119,7 @@ class GatewayMetrics:
         scheduler: Callable[[], SchedulerSnapshot],
         upstreams: Callable[[], Iterable[tuple[str, bool]]],
     ) -> None:
-        """Export queue depth, in-flight counts and upstream readiness, read at scrape time."""
+        """Export queue depth, in-flight counts and upstream liveness, read at scrape time."""
         self.registry.register(_ScrapeTimeCollector(scheduler, upstreams))
 
     def request_done(self, rpc: str, model: str, tenant: str, klass: str, code: str) -> None:

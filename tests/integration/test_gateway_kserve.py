@@ -231,6 +231,6 @@ def test_health_reflection_and_metrics(gateway, client) -> None:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     assert 'qosgate_requests_total{class="interactive",code="OK",model="identity",rpc="ModelInfer",tenant="acme"}' in text
-    assert 'qosgate_upstream_ready{upstream="local"} 1.0' in text
+    assert 'qosgate_upstream_live{upstream="local"} 1.0' in text
     assert "qosgate_queue_wait_seconds_bucket" in text
     assert "qosgate_upstream_latency_seconds_bucket" in text

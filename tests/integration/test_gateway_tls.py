@@ -341,7 +341,7 @@ def test_gateway_reaches_a_triton_that_requires_mutual_tls(tls_triton: LocalTrit
     )
     # The local listener stays plaintext: tenants connect as before.
     with GatewayThread(config) as gateway, grpcclient.InferenceServerClient(gateway.url) as client:
-        assert gateway.gateway.pool.ready
+        assert gateway.gateway.pool.live
         infer_identity(client, bearer(ACME_KEY))
 
 
@@ -357,8 +357,8 @@ def test_without_the_right_credentials_that_triton_stays_unreachable(tls_triton:
     ):
         config = gateway_config(tls_triton.ports.grpc_url, upstreams=upstreams)
         with GatewayThread(config) as gateway, grpcclient.InferenceServerClient(gateway.url) as client:
-            assert not gateway.gateway.pool.ready
+            assert not gateway.gateway.pool.live
             error = refused(client, bearer(ACME_KEY))
             assert error.status() == "StatusCode.UNAVAILABLE"
-            assert "no healthy Triton upstream" in error.message()
+            assert "no live Triton upstream" in error.message()
 

@@ -70,7 +70,7 @@ def gateway(triton: LocalTriton, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def _wait_ready(thread: GatewayThread, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while not thread.gateway.pool.ready:
+    while not thread.gateway.pool.live:
         assert time.monotonic() < deadline, "gateway never saw a ready upstream"
         time.sleep(0.1)
 

@@ -314,7 +314,7 @@ def test_two_gateways_in_front_of_triton_share_one_limit(
     key = (("authorization", f"Bearer {TINY_KEY}"),)
     with GatewayThread(configs[0]) as a, GatewayThread(configs[1]) as b:
         deadline = time.monotonic() + 30
-        while not (a.gateway.pool.ready and b.gateway.pool.ready):
+        while not (a.gateway.pool.live and b.gateway.pool.live):
             assert time.monotonic() < deadline, "gateways never saw a ready upstream"
             time.sleep(0.1)
         with grpc.insecure_channel(a.url) as via_a, grpc.insecure_channel(b.url) as via_b:

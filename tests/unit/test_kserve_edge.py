@@ -36,8 +36,8 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.chunks = chunks
         self.endless = endless
 
-    async def ServerReady(self, request, context):  # noqa: N802 - the RPC's name
-        return service_pb2.ServerReadyResponse(ready=True)
+    async def ServerLive(self, request, context):  # noqa: N802 - the RPC's name
+        return service_pb2.ServerLiveResponse(live=True)
 
     async def ModelInfer(self, request, context):  # noqa: N802
         self.requests.append(request)

@@ -1,8 +1,19 @@
-"""Which upstream gets a call: healthy ones only, fewest in flight, round-robin among equals."""
+"""Which upstream gets a call, and how the pool learns each one's health.
+
+Choice: live upstreams only; for a model, those that have it ready first; then the fewest
+in flight; round-robin among equals. Health: ServerLive and the ready models of the
+repository index, checked against an in-process fake Triton over a real gRPC channel.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.config import UpstreamConfig
 from qosgate.errors import Unavailable
@@ -13,31 +24,160 @@ def pool_of(*names: str) -> UpstreamPool:
     return UpstreamPool([UpstreamConfig(name=n, url=f"127.0.0.1:{i + 1}") for i, n in enumerate(names)])
 
 
-def test_no_healthy_upstream_is_unavailable_with_a_retry_hint() -> None:
+def test_no_live_upstream_is_unavailable_with_a_retry_hint() -> None:
     pool = pool_of("a", "b")
     with pytest.raises(Unavailable) as caught:
         pool.pick()
     assert caught.value.retry_after_s is not None
 
 
-def test_only_healthy_upstreams_are_picked() -> None:
+def test_only_live_upstreams_are_picked() -> None:
     pool = pool_of("a", "b", "c")
-    pool.upstreams[1].healthy = True
+    pool.upstreams[1].live = True
     assert {pool.pick().name for _ in range(6)} == {"b"}
+    assert {pool.pick("m").name for _ in range(6)} == {"b"}
 
 
 def test_equals_take_turns() -> None:
     pool = pool_of("a", "b", "c")
     for upstream in pool.upstreams:
-        upstream.healthy = True
+        upstream.live = True
     assert [pool.pick().name for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_least_loaded_wins() -> None:
     pool = pool_of("a", "b", "c")
     for upstream in pool.upstreams:
-        upstream.healthy = True
+        upstream.live = True
     a, b, _ = pool.upstreams
     with a.lease(), a.lease(), b.lease():
         assert {pool.pick().name for _ in range(6)} == {"c"}
     assert a.in_flight == b.in_flight == 0
+
+
+def test_an_upstream_with_the_model_ready_wins_over_a_less_loaded_one() -> None:
+    pool = pool_of("a", "b", "c")
+    a, b, c = pool.upstreams
+    for upstream in pool.upstreams:
+        upstream.live = True
+    a.ready_models = frozenset({"m", "n"})
+    b.ready_models = frozenset({"n"})  # m is loading or unloaded there
+    c.ready_models = frozenset({"m"})
+    with a.lease(), a.lease(), c.lease():
+        assert {pool.pick("m").name for _ in range(6)} == {"c"}
+        assert {pool.pick("n").name for _ in range(6)} == {"b"}
+        assert {pool.pick().name for _ in range(6)} == {"b"}  # no model: load alone
+
+
+def test_an_unknown_index_counts_as_ready() -> None:
+    pool = pool_of("a", "b")
+    a, b = pool.upstreams
+    a.live = b.live = True
+    a.ready_models = frozenset()
+    b.ready_models = None  # the index could not be read there
+    assert {pool.pick("m").name for _ in range(4)} == {"b"}
+
+
+def test_a_model_ready_nowhere_still_goes_to_a_live_upstream_for_tritons_answer() -> None:
+    pool = pool_of("a", "b")
+    a, b = pool.upstreams
+    a.live = b.live = True
+    a.ready_models = b.ready_models = frozenset({"other"})
+    with a.lease():
+        assert {pool.pick("unloaded").name for _ in range(4)} == {"b"}
+
+
+def test_an_older_probe_never_overwrites_a_newer_ones_answer() -> None:
+    upstream = pool_of("a").upstreams[0]
+    slow, fast = upstream.probe_started(), upstream.probe_started()
+    assert upstream.probe_is_newest(fast)
+    assert not upstream.probe_is_newest(slow)
+    assert upstream.probe_is_newest(upstream.probe_started())
+
+
+class LoadingTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Triton while one model loads: live, not ready (strict readiness), `ready` indexed."""
+
+    def __init__(self, ready: set[str]) -> None:
+        self.ready = ready
+
+    async def ServerLive(self, request, context):  # noqa: N802 - the RPC's name
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):  # noqa: N802
+        return service_pb2.ServerReadyResponse(ready=False)
+
+    async def RepositoryIndex(self, request, context):  # noqa: N802
+        assert request.ready, "the pool asks for ready models only"
+        response = service_pb2.RepositoryIndexResponse()
+        for name in sorted(self.ready):
+            response.models.add(name=name, version="1", state="READY")
+        return response
+
+
+class LiveOnlyTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """A Triton whose repository API is closed to the gateway (restricted protocol)."""
+
+    async def ServerLive(self, request, context):  # noqa: N802
+        return service_pb2.ServerLiveResponse(live=True)
+
+
+@contextlib.asynccontextmanager
+async def fake_triton(
+    servicer: service_pb2_grpc.GRPCInferenceServiceServicer, port: int = 0
+) -> AsyncIterator[int]:
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def started(port: int, check_interval_s: float) -> AsyncIterator[UpstreamPool]:
+    config = UpstreamConfig(name="t", url=f"127.0.0.1:{port}")
+    pool = UpstreamPool([config], check_interval_s=check_interval_s)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_loading_model_leaves_the_upstream_live_and_the_others_ready() -> None:
+    """Regression: ServerReady false while one model loads took every model out of service."""
+    triton = LoadingTriton({"minilm"})
+    async with fake_triton(triton) as port, started(port, check_interval_s=0.05) as pool:
+        assert pool.live
+        upstream = pool.upstreams[0]
+        assert upstream.ready_models == {"minilm"}
+        assert pool.pick("minilm") is upstream
+        assert pool.pick("identity") is upstream  # Triton itself answers for it
+        triton.ready.add("identity")  # its load finished
+        await until(lambda: upstream.has_ready("identity"))
+
+
+async def test_a_repository_change_is_seen_at_once_on_recheck() -> None:
+    triton = LoadingTriton({"identity"})
+    async with fake_triton(triton) as port, started(port, check_interval_s=3600) as pool:
+        upstream = pool.upstreams[0]
+        triton.ready.discard("identity")  # unloaded; the next poll is an hour away
+        pool.recheck(upstream)
+        await until(lambda: not upstream.has_ready("identity"))
+        assert pool.live
+
+
+async def test_an_unreadable_index_keeps_the_upstream_live_without_the_hint() -> None:
+    async with fake_triton(LiveOnlyTriton()) as port, started(port, check_interval_s=3600) as pool:
+        assert pool.live
+        assert pool.upstreams[0].ready_models is None
+        assert pool.pick("anything") is pool.upstreams[0]

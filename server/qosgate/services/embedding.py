@@ -56,7 +56,7 @@ class PoolEngineInfer:
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None
     ) -> service_pb2.ModelInferResponse:
-        upstream = self._pool.pick()
+        upstream = self._pool.pick(request.model_name)
         with upstream.lease():
             try:
                 raw = await upstream.unary("ModelInfer")(

@@ -196,7 +196,7 @@ class PoolEngineStreams:
     async def open(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
-        upstream = self._pool.pick()
+        upstream = self._pool.pick(request.model_name)
         with upstream.lease():
             call = upstream.stream()(timeout=timeout_s)
             try:

@@ -64,6 +64,7 @@ ADMIN_ONLY = frozenset(
     }
 )
 OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
+REPOSITORY_CHANGES = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 # Requests that name one model (`name`).
 MODEL_SCOPED = frozenset({"ModelReady", "ModelMetadata", "ModelConfig"})
 _REQUEST_TYPES = {
@@ -169,13 +170,15 @@ class KServeService:
             except grpc.aio.AioRpcError as e:
                 await self._pass_through(upstream, e, context)
                 raise  # unreachable: abort raises
+            finally:
+                if method in REPOSITORY_CHANGES:
+                    self._pool.recheck(upstream)  # its ready models changed, or may have
 
     async def _pass_through(
         self, upstream: Upstream, error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext
     ) -> None:
         if error.code() is grpc.StatusCode.UNAVAILABLE:
-            # Triton also says UNAVAILABLE for a model that is not ready, so check the
-            # server itself before taking it out of rotation.
+            # The upstream may have gone away: check it now, not at the next poll.
             self._pool.recheck(upstream)
         await context.abort(error.code(), error.details() or "", error.trailing_metadata() or ())
 
@@ -245,7 +248,7 @@ class KServeService:
             ) as dispatch:
                 self._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
                 fragment, timeout = self._dispatch_fragment(dispatch.priority_level, deadline)
-                upstream = self._pool.pick()
+                upstream = self._pool.pick(model)
                 with upstream.lease():
                     started = time.perf_counter()
                     try:

@@ -1,10 +1,20 @@
-"""A pool of Triton gRPC endpoints with health tracking and least-loaded choice.
+"""A pool of Triton gRPC endpoints: liveness, per-model readiness, least-loaded choice.
 
 Calls go out as bytes: each upstream holds one grpc.aio channel and one bytes-in/bytes-out
 multicallable per KServe method, made once, so the hot path neither re-encodes messages
-nor builds stubs. Health is Triton's own ServerReady, polled in the background; a call
-that fails with UNAVAILABLE triggers an immediate check of its upstream, so traffic moves
-away from a dead Triton without waiting for the poll.
+nor builds stubs.
+
+Health has Triton's own two levels. An upstream takes calls while it is *live* (ServerLive);
+which models it has *ready* (its RepositoryIndex) only steers a call for a model towards
+the upstreams that have it. Triton's ServerReady is not used: with Triton's default strict
+readiness it is false while any one model loads or unloads, and reading that as "down"
+refused every tenant for as long as one model took to load. A call for a model that no
+live upstream has ready still goes to a live one, and Triton answers it as it would
+without the gateway (NOT_FOUND for a model that is unloaded or loading): the cached index
+is a routing hint that may be a moment old, never a reason to refuse.
+
+The state is refreshed every `check_interval_s`, and at once when a call saw UNAVAILABLE
+and when a repository load or unload went through the gateway (`recheck`).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from qosgate.config import UpstreamConfig
+from qosgate.config import UpstreamConfig, UpstreamTlsConfig
 from qosgate.errors import Unavailable
 from qosgate.tls import channel_credentials
 
@@ -27,10 +37,11 @@ log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 METHODS = tuple(m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods)
-_SERVER_READY = service_pb2.ServerReadyRequest().SerializeToString()
+_SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
+_READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
 
-# Triton's own limit is 2 GiB; gRPC's default 4 MiB would refuse ordinary batches of tensors.
 _CHANNEL_OPTIONS = (
+    # Triton's own limit is 2 GiB; gRPC's default 4 MiB would refuse ordinary batches of tensors.
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
     ("grpc.keepalive_time_ms", 30_000),
@@ -39,29 +50,49 @@ _CHANNEL_OPTIONS = (
 HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
 
 
+def open_channel(url: str, tls: UpstreamTlsConfig | None) -> grpc.aio.Channel:
+    """The channel to one Triton endpoint; the one place upstream channels are made."""
+    if tls is None:
+        return grpc.aio.insecure_channel(url, options=_CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(url, channel_credentials(tls), options=_CHANNEL_OPTIONS)
+
+
 class Upstream:
     """One Triton endpoint: its channel, per-method callables, health and load."""
 
-    __slots__ = ("name", "url", "tls", "channel", "in_flight", "healthy", "_unary", "_stream")
-
+    __slots__ = (
+        "name",
+        "url",
+        "tls",
+        "channel",
+        "in_flight",
+        "live",
+        "ready_models",
+        "_unary",
+        "_stream",
+        "_probes_started",
+        "_probe_applied",
+    )
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.name = config.name
         self.url = config.url
         self.tls = config.tls
         self.in_flight = 0
-        self.healthy = False
+        self.live = False
+        # None: not known (the index could not be read), so any model may be ready here.
+        self.ready_models: frozenset[str] | None = frozenset()
         self.channel: grpc.aio.Channel | None = None
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._stream: grpc.aio.StreamStreamMultiCallable | None = None
+        # Checks overlap (poll, recheck, reconnect): an older one's answer must not land
+        # after a newer one's.
+        self._probes_started = 0
+        self._probe_applied = 0
 
     def open(self) -> None:
         """Create the channel; inside the event loop that will use it (grpc.aio binds to it)."""
-        channel = self.channel = (
-            grpc.aio.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
-            if self.tls is None
-            else grpc.aio.secure_channel(self.url, channel_credentials(self.tls), options=_CHANNEL_OPTIONS)
-        )
+        channel = self.channel = open_channel(self.url, self.tls)
         # No serializers: bytes go out and come back as they are on the wire.
         self._unary = {
             m: channel.unary_unary(f"/{SERVICE}/{m}") for m in METHODS if m != "ModelStreamInfer"
@@ -75,6 +106,22 @@ class Upstream:
         assert self._stream is not None, "upstream not opened"
         return self._stream
 
+    def probe_started(self) -> int:
+        """Number a new health probe of this upstream."""
+        self._probes_started += 1
+        return self._probes_started
+
+    def probe_is_newest(self, probe: int) -> bool:
+        """Whether probe `probe`'s answer may land: no later probe's answer has."""
+        if probe < self._probe_applied:
+            return False
+        self._probe_applied = probe
+        return True
+
+    def has_ready(self, model: str) -> bool:
+        """`model` was ready here at the last check, or this upstream's index is unknown."""
+        return self.ready_models is None or model in self.ready_models
+
     @contextlib.contextmanager
     def lease(self) -> Iterator[Upstream]:
         """Count a call against this upstream for as long as the block runs."""
@@ -86,7 +133,8 @@ class Upstream:
 
 
 class UpstreamPool:
-    """Healthy-upstream selection (least in flight, round-robin among ties) and health polls."""
+    """Live-upstream selection (model ready, then least in flight, round-robin among ties)
+    and the health checks behind it; see the module docstring."""
 
     def __init__(
         self,
@@ -102,89 +150,122 @@ class UpstreamPool:
         self._check_timeout_s = check_timeout_s
         self._turn = itertools.count()
         self._listeners: list[HealthListener] = []
-        self._notifications: set[asyncio.Task[None]] = set()
-        self._task: asyncio.Task[None] | None = None
-        self._ready = False
+        # The loop keeps only weak references to tasks: these hold them until they end.
+        self._background: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._live = False
 
     @property
-    def ready(self) -> bool:
-        """At least one upstream answered ServerReady with true at the last check."""
-        return self._ready
+    def live(self) -> bool:
+        """At least one upstream answered ServerLive with true at its last check."""
+        return self._live
 
     def on_health_change(self, listener: HealthListener) -> None:
-        """Call `listener(ready)` whenever the pool's overall readiness flips."""
+        """Call `listener(live)` whenever the pool's overall liveness flips."""
         self._listeners.append(listener)
 
-    def pick(self) -> Upstream:
-        """The healthy upstream with the fewest calls in flight; raises Unavailable if none."""
+    def pick(self, model: str | None = None) -> Upstream:
+        """The live upstream for a call (about `model`, if given); raises Unavailable if none.
+
+        Among live upstreams, those with `model` ready come first, then the fewest calls in
+        flight; equals take turns. If no live upstream has `model` ready, one gets the call
+        anyway so that Triton gives its own answer.
+        """
         upstreams = self.upstreams
         if len(upstreams) == 1:
             only = upstreams[0]
-            if only.healthy:
+            if only.live:
                 return only
-            raise Unavailable("no healthy Triton upstream", retry_after_s=self._check_interval_s)
+            raise Unavailable("no live Triton upstream", retry_after_s=self._check_interval_s)
         start = next(self._turn) % len(upstreams)
         best: Upstream | None = None
+        best_has_model = False
         for i in range(len(upstreams)):
             candidate = upstreams[(start + i) % len(upstreams)]
-            if candidate.healthy and (best is None or candidate.in_flight < best.in_flight):
-                best = candidate
+            if not candidate.live:
+                continue
+            has_model = model is None or candidate.has_ready(model)
+            if (
+                best is None
+                or (has_model and not best_has_model)
+                or (has_model == best_has_model and candidate.in_flight < best.in_flight)
+            ):
+                best, best_has_model = candidate, has_model
         if best is None:
-            raise Unavailable("no healthy Triton upstream", retry_after_s=self._check_interval_s)
+            raise Unavailable("no live Triton upstream", retry_after_s=self._check_interval_s)
         return best
 
     def recheck(self, upstream: Upstream) -> None:
-        """A call saw UNAVAILABLE from `upstream`: check it now instead of at the next poll."""
-        asyncio.get_running_loop().create_task(self._recheck(upstream))
-
-    async def _recheck(self, upstream: Upstream) -> None:
-        healthy = await self._is_ready(upstream)
-        if healthy != upstream.healthy:
-            log.warning("upstream %s (%s) is %s", upstream.name, upstream.url, "ready" if healthy else "NOT ready")
-            upstream.healthy = healthy
-            self._publish()
+        """Check `upstream` now instead of at the next poll: a call saw UNAVAILABLE from it,
+        or its model repository changed (a load or unload went through the gateway)."""
+        self._spawn(self._check(upstream), f"upstream-recheck {upstream.name}")
 
     async def start(self) -> None:
         """Check every upstream once (so the gateway starts with a known state), then poll."""
         for upstream in self.upstreams:
             upstream.open()
         await self.check_all()
-        self._task = asyncio.create_task(self._poll(), name="upstream-health")
+        self._tasks.append(asyncio.create_task(self._poll(), name="upstream-health"))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        tasks = [*self._tasks, *self._background]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
         await asyncio.gather(*(u.channel.close() for u in self.upstreams if u.channel is not None))
 
     async def check_all(self) -> None:
-        results = await asyncio.gather(*(self._is_ready(u) for u in self.upstreams))
-        for upstream, healthy in zip(self.upstreams, results, strict=True):
-            if healthy != upstream.healthy:
-                log.info("upstream %s (%s) is %s", upstream.name, upstream.url, "ready" if healthy else "NOT ready")
-            upstream.healthy = healthy
+        await asyncio.gather(*(self._check(u) for u in self.upstreams))
+
+    async def _check(self, upstream: Upstream) -> None:
+        """Ask `upstream` whether it is live and which models it has ready; publish changes."""
+        probe = upstream.probe_started()
+        live, ready_models = await self._probe(upstream)
+        if not upstream.probe_is_newest(probe):
+            return
+        if live != upstream.live:
+            level = logging.INFO if live else logging.WARNING
+            state = "live" if live else "NOT live"
+            log.log(level, "upstream %s (%s) is %s", upstream.name, upstream.url, state)
+        if ready_models != upstream.ready_models and live:
+            log.info(
+                "upstream %s models ready: %s",
+                upstream.name,
+                "unknown" if ready_models is None else ", ".join(sorted(ready_models)) or "none",
+            )
+        upstream.live, upstream.ready_models = live, ready_models
         self._publish()
 
-    async def _is_ready(self, upstream: Upstream) -> bool:
+    async def _probe(self, upstream: Upstream) -> tuple[bool, frozenset[str] | None]:
         try:
-            raw = await upstream.unary("ServerReady")(_SERVER_READY, timeout=self._check_timeout_s)
+            raw = await upstream.unary("ServerLive")(_SERVER_LIVE, timeout=self._check_timeout_s)
         except grpc.aio.AioRpcError:
-            return False
-        return service_pb2.ServerReadyResponse.FromString(raw).ready
+            return False, frozenset()
+        if not service_pb2.ServerLiveResponse.FromString(raw).live:
+            return False, frozenset()
+        try:
+            raw = await upstream.unary("RepositoryIndex")(_READY_MODELS, timeout=self._check_timeout_s)
+        except grpc.aio.AioRpcError:
+            # Live but the index is not for us (e.g. Triton's restricted repository
+            # protocol): route without the hint rather than call the upstream down.
+            return True, None
+        index = service_pb2.RepositoryIndexResponse.FromString(raw)
+        return True, frozenset(m.name for m in index.models)
 
     def _publish(self) -> None:
-        ready = any(u.healthy for u in self.upstreams)
-        if ready == self._ready:
+        live = any(u.live for u in self.upstreams)
+        if live == self._live:
             return
-        self._ready = ready
+        self._live = live
         for listener in self._listeners:
-            # Listeners are async (grpc's health servicer); run them beside the caller,
-            # holding each task until it is done (the loop keeps only weak references).
-            task = asyncio.get_running_loop().create_task(listener(ready))
-            self._notifications.add(task)
-            task.add_done_callback(self._notifications.discard)
+            # Listeners are async (grpc's health servicer): run them beside the caller.
+            self._spawn(listener(live), "upstream-health-listener")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _poll(self) -> None:
         while True:
