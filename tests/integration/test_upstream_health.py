@@ -1,12 +1,17 @@
-"""Upstream health on a real tritonserver: a model's load or unload touches only that model.
+"""Upstream health on a real tritonserver: a model's load or unload touches only that model,
+and a Triton killed and restarted is served again within 2 s of its own readiness.
 
-Regression test of issue 10's finding: an admin unloading and reloading one model made
+Regression tests of issue 10's findings: an admin unloading and reloading one model made
 every other tenant's calls fail `UNAVAILABLE: no healthy Triton upstream` (the gateway
-read Triton's ServerReady, false while any model loads or unloads).
+read Triton's ServerReady, false while any model loads or unloads); and after a Triton
+restart the gateway took 5-19 s to notice (gRPC's default reconnect backoff).
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import require_model
+from conftest import free_port, require_model
 from gateway_harness import ACME_KEY, ADMIN_KEY, GatewayThread, bearer, gateway_config
+from qosgate.launcher import LocalTriton, TritonPorts
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +151,81 @@ def test_loading_and_unloading_a_model_leaves_other_models_serving(triton, gatew
     assert tally.failures == []
     assert tally.calls >= 2 * CYCLES  # the tenant really called all along
     assert tally.health == {SERVING}
+
+
+class KillableTriton(LocalTriton):
+    """A Triton of this test's own (identity only), whose python stubs' shared memory is
+    named after it, so that what a kill -9 leaves in /dev/shm can be removed."""
+
+    def __init__(self, ports: TritonPorts, log_path: pathlib.Path, shm_prefix: str) -> None:
+        super().__init__(
+            models=["identity"],
+            ports=ports,
+            log_path=log_path,
+            extra_args=[f"--backend-config=python,shm-region-prefix-name={shm_prefix}"],
+        )
+
+    def kill_9(self) -> None:
+        assert self.pid is not None
+        os.killpg(self.pid, signal.SIGKILL)
+        self.stop()  # reaps it; nothing is left to signal
+
+
+def first_success(attempt: Callable[[], bool], timeout_s: float) -> float:
+    """The monotonic time at which `attempt` first returned true, polled every 20 ms."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if attempt():
+                return time.monotonic()
+        except grpc.RpcError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"no success in {timeout_s:.0f}s")
+
+
+def triton_ready(url: str) -> bool:
+    # A fresh channel each time: no reconnect backoff of its own can delay the answer.
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=0.5).ready
+
+
+def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readiness(tmp_path) -> None:
+    require_model("identity")
+    ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
+    shm_prefix = f"qosgate_health_{os.getpid()}_"
+    server = KillableTriton(ports, tmp_path / "triton.log", shm_prefix)
+    try:
+        with server, GatewayThread(
+            gateway_config(ports.grpc_url), health_check_interval_s=1.0  # the production default
+        ) as gateway, grpc.insecure_channel(gateway.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            assert identity_served(stub)
+            assert health_of(channel) == SERVING
+
+            server.kill_9()
+            wait_for(lambda: health_of(channel) != SERVING, timeout_s=30)
+            # Long enough down that gRPC's default backoff would have grown past 2 s.
+            time.sleep(4)
+            server.start()  # the same ports
+
+            ready_at: list[float] = []
+            watcher = threading.Thread(
+                target=lambda: ready_at.append(first_success(lambda: triton_ready(ports.grpc_url), 120))
+            )
+            watcher.start()
+            serving_at = first_success(lambda: health_of(channel) == SERVING, 120)
+            served_at = first_success(lambda: identity_served(stub), 120)
+            watcher.join(timeout=130)
+            serving_gap, served_gap = serving_at - ready_at[0], served_at - ready_at[0]
+            print(
+                f"\nfrom Triton ready to gateway SERVING: {serving_gap:.2f} s, "
+                f"to the first call served: {served_gap:.2f} s"
+            )
+            assert serving_gap <= 2.0
+            assert served_gap <= 2.0
+    finally:
+        server.stop()
+        for leftover in pathlib.Path("/dev/shm").glob(f"{shm_prefix}*"):
+            leftover.unlink(missing_ok=True)

@@ -181,3 +181,27 @@ async def test_an_unreadable_index_keeps_the_upstream_live_without_the_hint() ->
         assert pool.live
         assert pool.upstreams[0].ready_models is None
         assert pool.pick("anything") is pool.upstreams[0]
+
+
+async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -> None:
+    """The channel's connectivity drives the checks: the hourly poll never runs here."""
+    changes: list[bool] = []
+
+    async def listener(live: bool) -> None:
+        changes.append(live)
+
+    triton = LoadingTriton({"identity"})
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(triton, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with started(port, check_interval_s=3600) as pool:
+        pool.on_health_change(listener)
+        assert pool.live
+        await server.stop(None)  # Triton goes away
+        await until(lambda: changes == [False])
+        with pytest.raises(Unavailable):
+            pool.pick("identity")
+        async with fake_triton(triton, port):  # and comes back on the same port
+            await until(lambda: changes == [False, True])
+            assert pool.pick("identity") is pool.upstreams[0]
