@@ -130,7 +130,9 @@ class JobRunner:
                             log.info("batch runner: %d item(s) re-queued after restart", requeued)
                     if self._wall_time() >= next_housekeeping:
                         # Also retries callbacks that failed (or were cut off by a restart).
-                        for job in await self._store.callbacks_due():
+                        for job in await self._store.callbacks_due(
+                            self._housekeeping_interval_s
+                        ):
                             self._send_callback(job)
                         await self._store.expire()
                         next_housekeeping = self._wall_time() + self._housekeeping_interval_s

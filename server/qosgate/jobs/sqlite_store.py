@@ -19,7 +19,10 @@ from qosgate.jobs.model import JobStatus
 from qosgate.jobs.store import INDEXES, TABLES, SqlJobStore, SqlSession, T, default_owner
 
 # Columns added after the first release, for files created before them.
-_ADDED_ITEM_COLUMNS = {"lease_token": "TEXT", "lease_expires_at": "REAL"}
+_ADDED_COLUMNS = {
+    "batch_items": {"lease_token": "TEXT", "lease_expires_at": "REAL"},
+    "batch_jobs": {"callback_not_before": "REAL NOT NULL DEFAULT 0"},
+}
 
 
 class _SqliteSession:
@@ -55,10 +58,11 @@ class SqliteJobStore(SqlJobStore):
         Unix seconds."""
         super().__init__(wall_time=wall_time, lease_s=lease_s, owner=owner or default_owner())
         self._db = open_database(path, TABLES.format(real="REAL", blob="BLOB"))
-        present = {row[1] for row in self._db.execute("PRAGMA table_info(batch_items)")}
-        for column, kind in _ADDED_ITEM_COLUMNS.items():
-            if column not in present:
-                self._db.execute(f"ALTER TABLE batch_items ADD COLUMN {column} {kind}")
+        for table, columns in _ADDED_COLUMNS.items():
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in columns.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self._db.executescript(INDEXES)
         self._session = _SqliteSession(self._db)
         self._lock = threading.Lock()

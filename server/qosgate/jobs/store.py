@@ -69,6 +69,7 @@ CREATE TABLE IF NOT EXISTS batch_jobs (
     description TEXT NOT NULL,
     callback_url TEXT NOT NULL,
     callback_pending INTEGER NOT NULL DEFAULT 0,  -- 1 from finish until the POST was made
+    callback_not_before {real} NOT NULL DEFAULT 0, -- until then one gateway is sending it
     retention_s {real} NOT NULL,
     created_at {real} NOT NULL,
     started_at {real},
@@ -216,8 +217,11 @@ class JobStore(Protocol):
         """Any tenant's job status (for the runner); None once the job is gone."""
         ...
 
-    async def callbacks_due(self) -> list[Job]:
-        """Finished jobs whose completion callback has not been made yet."""
+    async def callbacks_due(self, hold_s: float) -> list[Job]:
+        """Finished jobs whose completion callback has not been made yet and that no
+        gateway is sending now; each is reserved to the caller for `hold_s` (after that,
+        any gateway retries it). The gateway that finishes a job holds its callback for
+        the lease, so it sends it first and alone."""
         ...
 
     async def callback_made(self, job_id: str) -> None:
@@ -668,12 +672,18 @@ class SqlJobStore(abc.ABC):
 
     # -- completion callbacks and retention ---------------------------------------------
 
-    async def callbacks_due(self) -> list[Job]:
+    async def callbacks_due(self, hold_s: float) -> list[Job]:
+        now = self._wall_time()
+
         async def work(db: SqlSession) -> list[Job]:
-            ids = await db.all("SELECT id FROM batch_jobs WHERE callback_pending = 1")
+            ids = await db.all(
+                "UPDATE batch_jobs SET callback_not_before = ? WHERE callback_pending = 1"
+                " AND callback_not_before <= ? RETURNING id",
+                (now + hold_s, now),
+            )
             return [await self._job(db, job_id) for (job_id,) in ids]
 
-        return await self._read(work)
+        return await self._write(work)
 
     async def callback_made(self, job_id: str) -> None:
         async def work(db: SqlSession) -> None:
@@ -713,14 +723,15 @@ class SqlJobStore(abc.ABC):
         finished = await db.execute(
             "UPDATE batch_jobs SET status = CASE status WHEN ? THEN ? ELSE ? END,"
             " finished_at = ?, expires_at = ? + retention_s,"
-            " callback_pending = CASE WHEN callback_url != '' THEN 1 ELSE 0 END"
-            " WHERE id = ? AND status IN (?, ?, ?)",
+            " callback_pending = CASE WHEN callback_url != '' THEN 1 ELSE 0 END,"
+            " callback_not_before = ? WHERE id = ? AND status IN (?, ?, ?)",
             (
                 JobStatus.CANCELLING.value,
                 JobStatus.CANCELLED.value,
                 JobStatus.COMPLETED.value,
                 now,
                 now,
+                now + self.lease_s,
                 job_id,
                 *_ACTIVE,
                 JobStatus.CANCELLING.value,

@@ -218,15 +218,27 @@ async def test_finished_jobs_expire_after_retention(store: JobStore, clock: Wall
         await store.get_job("a", job_id)
 
 
-async def test_callback_is_due_once_the_job_finishes_until_made(store: JobStore) -> None:
-    job_id = await store.begin_job("a", model="m", description="d", callback_url="http://h/x", limits=LIMITS)
-    await store.add_items(job_id, items("1"), limits=LIMITS)
-    await store.seal_job(job_id)
-    assert await store.callbacks_due() == []
-    await store.succeed(await claim(store, job_id), b"r")
-    assert [j.id for j in await store.callbacks_due()] == [job_id]
-    await store.callback_made(job_id)
-    assert await store.callbacks_due() == []
+async def test_one_gateway_at_a_time_sends_a_due_callback_until_it_is_made(
+    gateways: Gateways, clock: WallClock
+) -> None:
+    finisher, other = await gateways("gw-a"), await gateways("gw-b")
+    job_id = await finisher.begin_job(
+        "a", model="m", description="d", callback_url="http://h/x", limits=LIMITS
+    )
+    await finisher.add_items(job_id, items("1"), limits=LIMITS)
+    await finisher.seal_job(job_id)
+    assert await other.callbacks_due(hold_s=60) == []
+    finished = await finisher.succeed(await claim(finisher, job_id), b"r")
+    assert finished is not None  # the finisher sends the callback now, alone
+    assert await other.callbacks_due(hold_s=60) == []
+    clock.t += LEASE_S  # ... and it failed, or the finisher died: anyone may retry
+    assert [j.id for j in await other.callbacks_due(hold_s=60)] == [job_id]
+    assert await finisher.callbacks_due(hold_s=60) == []  # reserved to the other one
+    clock.t += 60
+    assert [j.id for j in await finisher.callbacks_due(hold_s=60)] == [job_id]
+    await finisher.callback_made(job_id)
+    clock.t += 60
+    assert await other.callbacks_due(hold_s=60) == []
 
 
 # -- two gateways on one store --------------------------------------------------------
