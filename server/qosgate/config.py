@@ -14,6 +14,7 @@ import re
 import ssl
 from collections.abc import Iterator
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -449,6 +450,9 @@ class JobStoreConfig(_Frozen):
     def _postgres_scheme(cls, url: str) -> str:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ValueError("must start with postgresql:// or postgres://")
+        # Config files get copied, shown and committed; a password goes in password_env.
+        if urlsplit(url).password is not None:
+            raise ValueError("must not contain a password: name its variable in password_env")
         return url
 
 

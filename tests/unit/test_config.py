@@ -59,6 +59,9 @@ EXPECTED_ERRORS = {
     "job_store_bad_url": (
         "job_store.postgres_url: must start with postgresql:// or postgres://"
     ),
+    "job_store_password_in_url": (
+        "job_store.postgres_url: must not contain a password: name its variable in password_env"
+    ),
     "missing_tenant_name": "tenants[0].name: Field required",
     "not_a_mapping": "(root): expected a mapping, got list",
     "sheddable_highest": (

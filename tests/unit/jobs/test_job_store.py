@@ -347,9 +347,7 @@ async def test_concurrent_claims_and_finishes_give_each_item_once(gateways: Gate
 # -- what differs: who may release a lease at start ------------------------------------
 
 
-async def test_start_releases_only_what_no_live_gateway_can_hold(
-    request: pytest.FixtureRequest, gateways: Gateways
-) -> None:
+async def test_start_releases_only_what_no_live_gateway_can_hold(gateways: Gateways) -> None:
     before = await gateways("gw-before")
     job_id = await submit(before, "a", "1", "2")
     await claim(before, job_id)
