@@ -13,12 +13,11 @@ import logging
 from collections.abc import Iterator
 
 import grpc
-import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
 from conftest import require_model
-from gateway_harness import ACME_KEY, GLOBEX_KEY, GatewayThread, gateway_config
+from gateway_harness import ACME_KEY, GLOBEX_KEY, GatewayThread, gateway_config, identity_request
 from qosgate.v1 import batch_pb2, embedding_pb2
 
 pytestmark = pytest.mark.integration
@@ -73,13 +72,6 @@ def code_of(call, *args, **kwargs) -> grpc.StatusCode:
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
-
-
-def identity_request(request_id: str = "") -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="identity", id=request_id)
-    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2])
-    request.raw_input_contents.append(np.array([1.0, 2.0], dtype=np.float32).tobytes())
-    return request
 
 
 @pytest.mark.parametrize("method", V1_UNARY)
@@ -210,6 +202,22 @@ def test_error_messages_quoting_huge_values_stay_small(
     with pytest.raises(grpc.RpcError) as caught:
         call(request, metadata=bearer(GLOBEX_KEY), timeout=10)
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert len(caught.value.details()) <= 1024
+
+
+def test_tritons_error_quoting_a_huge_value_is_passed_on_cut_short(
+    channel: grpc.Channel, tracebacks: list[logging.LogRecord]
+) -> None:
+    require_model("identity")
+    # Triton quotes the version in its message: 70 KB of trailer, which gRPC refuses to
+    # read by default (RESOURCE_EXHAUSTED, straight at Triton too).
+    request = service_pb2.ModelStatisticsRequest(name="identity", version="9" * 70_000)
+    call = channel.unary_unary(
+        KSERVE + "ModelStatistics", request_serializer=service_pb2.ModelStatisticsRequest.SerializeToString
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request, metadata=bearer(ACME_KEY), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(caught.value.details()) <= 1024
 
 

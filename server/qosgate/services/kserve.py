@@ -180,7 +180,7 @@ class KServeService:
         if error.code() is grpc.StatusCode.UNAVAILABLE:
             # The upstream may have gone away: check it now, not at the next poll.
             self._pool.recheck(upstream)
-        await context.abort(error.code(), error.details() or "", error.trailing_metadata() or ())
+        await context.abort(error.code(), status.bounded(error.details() or ""), error.trailing_metadata() or ())
 
     # -- inference ---------------------------------------------------------------------
 

@@ -83,10 +83,12 @@ def _public_message(error: BaseException, row: StatusRow) -> str:
         # The cause goes to the log only: it may name files, hosts or upstream internals.
         log.error("internal error (incident %d): %r", incident, error, exc_info=error)
         return f"{INTERNAL_MESSAGE} (incident {incident})"
-    message: str = error.message  # type: ignore[attr-defined]
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
-    return message
+    return bounded(error.message)  # type: ignore[attr-defined]
+
+
+def bounded(message: str) -> str:
+    """`message` cut to MAX_MESSAGE_CHARS."""
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def to_rich_status(error: BaseException) -> status_pb2.Status:

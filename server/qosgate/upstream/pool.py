@@ -56,6 +56,11 @@ _CHANNEL_OPTIONS = (
     # 20 s): long enough for a TLS handshake far away, short enough that an attempt lost
     # to a vanished host does not hold the next one back for long.
     ("grpc.min_reconnect_backoff_ms", 5_000),
+    # Triton's error messages quote the request (a 70 KB version string comes back in the
+    # status trailer); gRPC's 16 KiB cap would turn that into RESOURCE_EXHAUSTED here.
+    # The edge cuts the message before passing it on.
+    ("grpc.max_metadata_size", 4 << 20),
+    ("grpc.absolute_max_metadata_size", 4 << 20),
 )
 
 HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
