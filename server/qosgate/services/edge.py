@@ -164,11 +164,15 @@ class Edge:
 
         return handle
 
-    async def _parsed(
-        self, method: Method, tenant: Tenant, requests: AsyncIterator[bytes]
-    ) -> AsyncIterator[Any]:
-        async for raw in requests:
-            yield self._parse(method, tenant, raw)
+    def _parsed(self, method: Method, tenant: Tenant, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        if method.parse is None:
+            return requests
+
+        async def parsed() -> AsyncIterator[Any]:
+            async for raw in requests:
+                yield self._parse(method, tenant, raw)
+
+        return parsed()
 
 
 async def _answer(context: grpc.aio.ServicerContext, error: Exception) -> None:
