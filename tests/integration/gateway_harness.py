@@ -24,8 +24,10 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2
 from qosgate.app import Gateway
 from qosgate.config import GatewayConfig, parse_config
 
@@ -39,6 +41,14 @@ TINY_KEY = "test-tiny-key"
 
 def bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
+
+
+def identity_request(request_id: str = "") -> service_pb2.ModelInferRequest:
+    """A valid ModelInferRequest for the identity model (one row of two floats)."""
+    request = service_pb2.ModelInferRequest(model_name="identity", id=request_id)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(np.array([1.0, 2.0], dtype=np.float32).tobytes())
+    return request
 
 
 def gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 
 import grpc
-import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,7 +21,7 @@ from grpc_status import rpc_status
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from conftest import free_port, require_model
-from gateway_harness import ACME_KEY, GLOBEX_KEY, TINY_KEY, GatewayThread, gateway_config
+from gateway_harness import ACME_KEY, GLOBEX_KEY, TINY_KEY, GatewayThread, gateway_config, identity_request
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +41,6 @@ def gateway(triton) -> GatewayThread:
 def stub(gateway) -> service_pb2_grpc.GRPCInferenceServiceStub:
     with grpc.insecure_channel(gateway.url) as channel:
         yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-
-def identity_request() -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="identity")
-    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 2])
-    request.raw_input_contents.append(np.array([1.0, 2.0], dtype=np.float32).tobytes())
-    return request
 
 
 def metadata(key: str, klass: str | None = None) -> tuple[tuple[str, str], ...]:
