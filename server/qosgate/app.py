@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
-from qosgate.config import ConfigError, GatewayConfig, UpstreamConfig, load_config
+from qosgate.config import ConfigError, GatewayConfig, ResourceLimits, UpstreamConfig, load_config
 from qosgate.embedding import EmbeddingPlane
 from qosgate.generation import GenerationPlane
 from qosgate.jobs.callbacks import HttpCallbackSender
@@ -33,8 +33,9 @@ from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
 from qosgate.launcher import LocalTriton, TritonPorts
+from qosgate.memory import HeapTrimmer
 from qosgate.metrics import GatewayMetrics, MetricsEndpoint
-from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore
+from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
@@ -47,6 +48,7 @@ from qosgate.services.generation import GenerationServicer, PoolEngineStreams
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.engine_load import EngineLoadReader
+from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
 from qosgate.tls import server_credentials
 from qosgate.usage import UsageLedger, UsageMeter
@@ -56,12 +58,15 @@ log = logging.getLogger(__name__)
 
 LOCAL_MODELS = ("smollm2", "smollm2_trtllm", "minilm", "identity")
 
-# Same ceiling as Triton's: batches of tensors exceed gRPC's 4 MiB default.
-_SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.so_reuseport", 0),
-)
+
+def _server_options(limits: ResourceLimits) -> tuple[tuple[str, int], ...]:
+    # gRPC refuses a message over max_receive RESOURCE_EXHAUSTED from its length prefix,
+    # before buffering it. Responses may carry the caller's id appended (KServe streams).
+    return (
+        ("grpc.max_receive_message_length", limits.max_request_bytes),
+        ("grpc.max_send_message_length", limits.max_response_bytes + FRAGMENT_ALLOWANCE_BYTES),
+        ("grpc.so_reuseport", 0),
+    )
 
 
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:
@@ -81,8 +86,13 @@ class Gateway:
     ) -> None:
         self.config = config
         self.clock = clock or MonotonicClock()
-        self.metrics = GatewayMetrics()
-        self.pool = UpstreamPool(config.upstreams, check_interval_s=health_check_interval_s)
+        self.metrics = GatewayMetrics(known_models=config.models)
+        self.pool = UpstreamPool(
+            config.upstreams,
+            check_interval_s=health_check_interval_s,
+            max_request_bytes=config.limits.max_request_bytes,
+            max_response_bytes=config.limits.max_response_bytes,
+        )
         self.scheduler = Scheduler(config, self.clock)
         self._engine_load = EngineLoadReader(
             (u.metrics_url for u in config.upstreams if u.metrics_url), self.scheduler.engine_load
@@ -96,6 +106,8 @@ class Gateway:
         )
         quota_store: QuotaStore = self._shared_quota or InMemoryQuotaStore()
         self.admission = Admission(quota_store, self.clock)
+        self.streams = StreamLimiter(config.limits.max_streams_per_tenant)
+        self.heap = HeapTrimmer()
         self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
         # With Redis, budgets and GetUsage count the day's usage of every gateway.
         self.usage = UsageMeter(self.ledger, wall_time=time.time, shared=self._shared_quota)
@@ -171,8 +183,10 @@ class Gateway:
             pool=self.pool,
             metrics=self.metrics,
             clock=self.clock,
+            streams=self.streams,
+            heap=self.heap,
         )
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_server_options(self.config.limits))
         # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
         rpc_edge = Edge(self.directory, self.metrics)
         services = {
@@ -265,6 +279,7 @@ class Gateway:
             await asyncio.gather(self._batch_task, return_exceptions=True)
             self._batch_task = None
         await self._engine_load.close()
+        self.heap.close()
         await self.pool.close()
         if self._shared_quota is not None:
             await self._shared_quota.aclose()

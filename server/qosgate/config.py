@@ -231,7 +231,8 @@ class ApiKeyConfig(_Frozen):
 
 
 class LimitsConfig(_Frozen):
-    """A tenant's quotas; a limit left out is not enforced."""
+    """A tenant's quotas; a limit left out is not enforced (`max_streams`: the gateway's
+    default applies)."""
 
     requests_per_second: float | None = Field(default=None, gt=0)
     """Sustained request rate (token bucket refill rate)."""
@@ -248,6 +249,10 @@ class LimitsConfig(_Frozen):
     daily_token_budget: int | None = Field(default=None, ge=1)
     """LLM tokens per UTC day, counted in the persistent usage ledger (generation API);
     with a Redis quota store, in day totals there that every gateway adds to."""
+    max_streams: int | None = Field(default=None, ge=1)
+    """ModelStreamInfer calls this tenant may have open at once on one gateway; default:
+    `limits.max_streams_per_tenant`. Counted per gateway process, even with a Redis quota
+    store: what it bounds is this process's memory and upstream streams."""
 
     @model_validator(mode="after")
     def _burst_needs_rate(self) -> LimitsConfig:
@@ -456,6 +461,39 @@ class JobStoreConfig(_Frozen):
         return url
 
 
+_MiB = 1 << 20
+# gRPC's message length options are C ints.
+_GRPC_MAX_MESSAGE = (1 << 31) - 1
+
+
+class ResourceLimits(_Frozen):
+    """Bounds on what one caller can make the gateway hold: every buffer has a limit, so a
+    slow or hostile client costs memory and time of its own, never everyone's."""
+
+    max_request_bytes: int = Field(default=64 * _MiB, ge=1024, le=_GRPC_MAX_MESSAGE)
+    """Largest request message the gateway accepts, on every RPC. gRPC refuses a larger
+    one RESOURCE_EXHAUSTED as it arrives, before buffering it whole."""
+    max_response_bytes: int = Field(default=64 * _MiB, ge=1024, le=_GRPC_MAX_MESSAGE)
+    """Largest response message the gateway takes from Triton and passes on; a larger one
+    fails the call RESOURCE_EXHAUSTED."""
+    max_request_fields: int = Field(default=4096, ge=16)
+    """Protobuf fields (top-level and inside parameters) the gateway reads in one
+    inference request to find its model name and id; a request with more is refused
+    INVALID_ARGUMENT. The cost of routing a request stays bounded however it is crafted;
+    a real request has a few fields per tensor."""
+    max_streams_per_tenant: int = Field(default=32, ge=1)
+    """ModelStreamInfer calls one tenant may have open at once (override per tenant:
+    `tenants[].limits.max_streams`); more are refused RESOURCE_EXHAUSTED with RetryInfo."""
+    stream_buffer_bytes: int = Field(default=4 * _MiB, ge=1024)
+    """Responses of one ModelStreamInfer call waiting for its caller to read them. When
+    full, the gateway stops reading that stream's responses from Triton and stops taking
+    new requests from the caller; the stream's requests already at Triton give their
+    dispatch slots back, so a caller that does not read slows only its own stream."""
+    stream_max_pending: int = Field(default=64, ge=1)
+    """Requests of one ModelStreamInfer call read from the caller and not finished
+    (queued or at Triton); the gateway reads the caller's next request when one ends."""
+
+
 class QuotaStoreConfig(_Frozen):
     """Where tenants' request-rate, concurrency and token-rate state lives."""
 
@@ -521,6 +559,8 @@ class GatewayConfig(_Frozen):
     job_store: JobStoreConfig = Field(default_factory=JobStoreConfig)
     """Where batch jobs live: this gateway's SQLite file, or PostgreSQL shared by all
     gateway replicas."""
+    limits: ResourceLimits = Field(default_factory=ResourceLimits)
+    """Message sizes, streams per tenant and stream buffers (see `ResourceLimits`)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:

@@ -4,6 +4,12 @@ Label children are cached per label tuple: prometheus_client's `labels()` takes 
 builds a key on every call, which the hot path does not need to pay twice per request.
 Queue depth, in-flight counts and upstream liveness are not counted by the edge: they are
 read from their owners at scrape time, so they cannot drift from the real state.
+
+Label sets are bounded: tenants, classes, codes and upstreams come from the config, and a
+model name becomes a label only once it is known to exist (named in the config's
+`models`, or served by Triton without error). Any other name a caller sends (a model that
+does not exist, or one it may not call) is counted under the model label `_other`, so
+callers cannot grow the label sets, and the memory they take, without bound.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from prometheus_client.registry import Collector
 
 from qosgate.scheduler.core import SchedulerSnapshot
 
+OTHER_MODEL = "_other"
+
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
@@ -30,23 +38,33 @@ class _ScrapeTimeCollector(Collector):
         self,
         scheduler: Callable[[], SchedulerSnapshot],
         upstreams: Callable[[], Iterable[tuple[str, bool]]],
+        model_label: Callable[[str], str],
     ) -> None:
         self._scheduler = scheduler
         self._upstreams = upstreams
+        self._model_label = model_label
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         snapshot = self._scheduler()
+        label = self._model_label
+        queued: dict[tuple[str, str, str], int] = {}
+        for (model, klass, tenant), count in snapshot.queued.items():
+            key = (label(model), klass, tenant)
+            queued[key] = queued.get(key, 0) + count
         depth = GaugeMetricFamily(
             "qosgate_queue_depth",
             "Requests waiting in the gateway's scheduler",
             labels=("model", "class", "tenant"),
         )
-        for (model, klass, tenant), queued in snapshot.queued.items():
-            depth.add_metric((model, klass, tenant), queued)
+        for labels, count in queued.items():
+            depth.add_metric(labels, count)
+        dispatched: dict[str, int] = {}
+        for model, count in snapshot.in_flight.items():
+            dispatched[label(model)] = dispatched.get(label(model), 0) + count
         in_flight = GaugeMetricFamily(
             "qosgate_in_flight", "Requests dispatched to Triton and not finished", labels=("model",)
         )
-        for model, count in snapshot.in_flight.items():
+        for model, count in dispatched.items():
             in_flight.add_metric((model,), count)
         window = GaugeMetricFamily(
             "qosgate_dispatch_window",
@@ -77,8 +95,12 @@ class _ScrapeTimeCollector(Collector):
 class GatewayMetrics:
     """The gateway's counters and histograms, in a registry of their own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, known_models: Iterable[str] = ()
+    ) -> None:
+        """`known_models`: model names that are labels from the start (the config's `models`)."""
         self.registry = registry or CollectorRegistry()
+        self._known_models = set(known_models)
         self._requests = Counter(
             "qosgate_requests",
             "Requests finished, by model, tenant, class and gRPC status code",
@@ -120,10 +142,20 @@ class GatewayMetrics:
         upstreams: Callable[[], Iterable[tuple[str, bool]]],
     ) -> None:
         """Export queue depth, in-flight counts and upstream liveness, read at scrape time."""
-        self.registry.register(_ScrapeTimeCollector(scheduler, upstreams))
+        self.registry.register(_ScrapeTimeCollector(scheduler, upstreams, self.model_label))
+
+    def model_served(self, model: str) -> None:
+        """Triton answered a request for `model` without error: it exists, name it in labels."""
+        self._known_models.add(model)
+
+    def model_label(self, model: str) -> str:
+        """`model` if it is known to exist, else `_other` (or "" when there is no model)."""
+        return model if not model or model in self._known_models else OTHER_MODEL
 
     def request_done(self, rpc: str, model: str, tenant: str, klass: str, code: str) -> None:
-        self._child(self._requests, (rpc, model, tenant, klass, code)).inc()
+        if code == "OK":
+            self.model_served(model)
+        self._child(self._requests, (rpc, self.model_label(model), tenant, klass, code)).inc()
 
     def rejected(self, reason: str, tenant: str, klass: str) -> None:
         self._child(self._rejections, (reason, tenant, klass)).inc()
@@ -132,7 +164,7 @@ class GatewayMetrics:
         self._child(self._queue_wait, (klass, tenant)).observe(seconds)
 
     def upstream_latency(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self._upstream_latency, (upstream, model)).observe(seconds)
+        self._child(self._upstream_latency, (upstream, self.model_label(model))).observe(seconds)
 
     def serve(self, listen: str) -> MetricsEndpoint:
         """Start the /metrics HTTP server on `host:port` (port 0: any free port)."""

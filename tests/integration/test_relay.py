@@ -130,7 +130,7 @@ def test_unary_and_metadata_rpcs_as_through_triton(relay, policy, triton) -> Non
     assert result.get_response().id == "r1"
     # The policy read the model name from the first message's bytes.
     infer_heads = [h for h in policy.heads if h.method == "ModelInfer"]
-    assert infer_wire.peek_request(infer_heads[-1].first_message).model_name == MODEL
+    assert infer_wire.peek_request(infer_heads[-1].first_message, 4096).model_name == MODEL
     end = policy.ends[before]
     assert (end.status, end.reset_code, end.requests, end.responses) == (0, None, 1, 1)
 

@@ -20,6 +20,7 @@ from qosgate.config import (
     ListenerTlsConfig,
     ModelPolicy,
     QuotaStoreConfig,
+    ResourceLimits,
     SchedulerConfig,
     TenantConfig,
     UpstreamConfig,
@@ -149,6 +150,24 @@ def test_defaults() -> None:
     assert policy.dispatch_window == "auto" and policy.initial_window() == 8
     assert (policy.window_min, policy.window_max, policy.cost_unit) == (2, 64, "request")
     assert config.scheduler.fair_share == "cost" and config.scheduler.output_token_weight == 2.0
+    assert config.limits.max_request_bytes == config.limits.max_response_bytes == 64 << 20
+    assert config.limits.max_streams_per_tenant == 32
+
+
+def test_limits_are_validated_with_their_key_path() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            {
+                "limits": {"max_request_bytes": 1 << 31, "stream_buffer_bytes": 0},
+                "tenants": [{"name": "acme", "limits": {"max_streams": 0}}],
+            },
+            source="gw.yaml",
+        )
+    assert sorted(str(caught.value).splitlines()) == [
+        "gw.yaml: limits.max_request_bytes: Input should be less than or equal to 2147483647",
+        "gw.yaml: limits.stream_buffer_bytes: Input should be greater than or equal to 1024",
+        "gw.yaml: tenants[0].limits.max_streams: Input should be greater than or equal to 1",
+    ]
 
 
 def test_class_levels_follow_the_class_list() -> None:
@@ -204,6 +223,7 @@ def test_readme_documents_every_config_key() -> None:
         LimitsConfig,
         QuotaStoreConfig,
         JobStoreConfig,
+        ResourceLimits,
     ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}

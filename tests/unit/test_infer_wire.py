@@ -11,6 +11,8 @@ from tritonclient.grpc import service_pb2
 
 from qosgate.services import infer_wire
 
+MAX_FIELDS = 4096
+
 
 def _request(**params: object) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name="minilm", model_version="1", id="req-7")
@@ -29,25 +31,25 @@ def _request(**params: object) -> service_pb2.ModelInferRequest:
 
 def test_peek_reads_routing_fields_and_skips_tensors() -> None:
     raw = _request(triton_enable_empty_final_response=True, other="x").SerializeToString()
-    head = infer_wire.peek_request(raw)
+    head = infer_wire.peek_request(raw, MAX_FIELDS)
     assert (head.model_name, head.id, head.wants_empty_final) == ("minilm", "req-7", True)
 
 
 def test_peek_reads_the_batch_rows_of_the_first_input() -> None:
-    assert infer_wire.peek_request(_request().SerializeToString()).rows == 1
+    assert infer_wire.peek_request(_request().SerializeToString(), MAX_FIELDS).rows == 1
     request = service_pb2.ModelInferRequest(model_name="minilm")
     request.inputs.add(name="text", datatype="BYTES", shape=[300, 1])
     request.inputs.add(name="other", datatype="BYTES", shape=[7])
-    assert infer_wire.peek_request(request.SerializeToString()).rows == 300
+    assert infer_wire.peek_request(request.SerializeToString(), MAX_FIELDS).rows == 300
     # No shape (or no input): one row.
-    assert infer_wire.peek_request(service_pb2.ModelInferRequest(model_name="m").SerializeToString()).rows == 1
+    assert infer_wire.peek_request(service_pb2.ModelInferRequest(model_name="m").SerializeToString(), MAX_FIELDS).rows == 1
 
 
 def test_peek_last_occurrence_wins_like_protobuf() -> None:
     raw = _request().SerializeToString() + service_pb2.ModelInferRequest(
         model_name="identity"
     ).SerializeToString()
-    assert infer_wire.peek_request(raw).model_name == "identity"
+    assert infer_wire.peek_request(raw, MAX_FIELDS).model_name == "identity"
     assert service_pb2.ModelInferRequest.FromString(raw).model_name == "identity"
 
 
@@ -83,7 +85,7 @@ def test_id_and_empty_final_fragments() -> None:
     merged = service_pb2.ModelInferRequest.FromString(raw)
     assert merged.id == "q1"
     assert merged.parameters["triton_enable_empty_final_response"].bool_param is True
-    assert infer_wire.peek_request(raw).id == "q1"
+    assert infer_wire.peek_request(raw, MAX_FIELDS).id == "q1"
 
 
 def _stream_response(*, final: bool, outputs: bool = True, error: str = "") -> bytes:
@@ -123,7 +125,7 @@ def test_stream_response_id_restored_by_appending() -> None:
 def test_truncated_bytes_are_rejected() -> None:
     raw = _request().SerializeToString()
     with pytest.raises(infer_wire.WireError):
-        infer_wire.peek_request(raw[:-3])
+        infer_wire.peek_request(raw[:-3], MAX_FIELDS)
 
 
 def _rich_request() -> bytes:
@@ -155,7 +157,7 @@ def test_requests_the_protobuf_runtime_refuses_are_refused(raw: bytes) -> None:
     with pytest.raises(DecodeError):
         service_pb2.ModelInferRequest.FromString(raw)
     with pytest.raises(infer_wire.WireError):
-        infer_wire.peek_request(raw)
+        infer_wire.peek_request(raw, MAX_FIELDS)
 
 
 _VALID = _rich_request()
@@ -167,7 +169,7 @@ _EDITS = st.lists(
 
 
 def test_the_rich_request_passes() -> None:
-    assert infer_wire.peek_request(_VALID).wants_empty_final
+    assert infer_wire.peek_request(_VALID, MAX_FIELDS).wants_empty_final
 
 
 @settings(max_examples=500, deadline=None, database=None)
@@ -189,4 +191,33 @@ def test_mutated_requests_are_refused_whenever_the_protobuf_runtime_refuses_them
     except DecodeError:
         # What Triton's parser would refuse must never be forwarded.
         with pytest.raises(infer_wire.WireError):
-            infer_wire.peek_request(bytes(raw))
+            infer_wire.peek_request(bytes(raw), MAX_FIELDS)
+
+
+def test_field_budget_bounds_the_work_on_a_crafted_request() -> None:
+    # 1M one-byte varint fields (model_version would be field 2; 15 is unknown): the
+    # reader stops after the budget instead of walking them all.
+    crafted = service_pb2.ModelInferRequest(model_name="identity").SerializeToString()
+    crafted += b"\x78\x01" * 1_000_000
+    with pytest.raises(infer_wire.TooManyFields, match="more than 4096 fields"):
+        infer_wire.peek_request(crafted, MAX_FIELDS)
+
+
+def test_field_budget_counts_fields_inside_parameters() -> None:
+    # A parameters entry whose value holds many fields spends the same budget.
+    key = infer_wire.EMPTY_FINAL_PARAM.encode()
+    entry = b"\x0a" + bytes([len(key)]) + key + b"\x12\xca\x01" + b"\x78\x01" * 100 + b"\x08\x01"
+    raw = service_pb2.ModelInferRequest(model_name="identity").SerializeToString()
+    raw += b"\x22" + bytes([len(entry) & 0x7F | 0x80, len(entry) >> 7]) + entry
+    assert service_pb2.ModelInferRequest.FromString(raw).parameters[infer_wire.EMPTY_FINAL_PARAM].bool_param
+    assert infer_wire.peek_request(raw, 500).model_name == "identity"
+    with pytest.raises(infer_wire.TooManyFields):
+        infer_wire.peek_request(raw, 50)
+
+
+def test_a_real_request_fits_the_default_budget_with_room() -> None:
+    request = _request(triton_enable_empty_final_response=True)
+    for i in range(500):  # 500 tensors: two top-level fields each
+        request.inputs.add(name=f"IN{i}", datatype="FP32", shape=[1])
+        request.raw_input_contents.append(b"\x00" * 4)
+    assert infer_wire.peek_request(request.SerializeToString(), MAX_FIELDS).model_name == "minilm"

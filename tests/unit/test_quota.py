@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from qosgate.auth import Tenant
 from qosgate.errors import QuotaExceeded
-from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused, TokenBucket
+from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused, StreamLimiter, TokenBucket
 
 from tests.fakes import FakeClock, make_tenant
 
@@ -164,3 +164,22 @@ async def test_unlimited_tenant_is_always_admitted() -> None:
     acme = tenant()
     for _ in range(1000):
         assert isinstance(await admission.admit(acme, cost_tokens=10**9), Admitted)
+
+
+async def test_streams_per_tenant_refused_as_a_value_and_freed_on_close() -> None:
+    limiter = StreamLimiter(default_max_streams=2)
+    acme, globex = tenant(), make_tenant("globex", limits={"max_streams": 1})
+    first, second = limiter.open(acme), limiter.open(acme)
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    refused = limiter.open(acme)
+    assert isinstance(refused, Refused)
+    assert refused.retry_after_s > 0
+    assert [v.description for v in refused.violations] == ["max_streams limit 2 reached"]
+    # Each tenant counts its own streams, against its own override when it has one.
+    assert isinstance(limiter.open(globex), Admitted)
+    assert isinstance(limiter.open(globex), Refused)
+    await first.permit.release()
+    await first.permit.release()  # idempotent: frees one stream only
+    assert limiter.open_streams("acme") == 1
+    assert isinstance(limiter.open(acme), Admitted)
+    assert isinstance(limiter.open(acme), Refused)

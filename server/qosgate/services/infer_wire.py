@@ -87,15 +87,38 @@ def _skip(buf: bytes | memoryview, pos: int, wire_type: int) -> int:
     raise WireError(f"unsupported wire type {wire_type}")
 
 
-def _fields(buf: bytes | memoryview):
+class TooManyFields(WireError):
+    """The message has more fields than the caller's budget allows."""
+
+
+class _FieldBudget:
+    """Fields left to visit in one message, nested messages included: the cost of reading
+    a request is bounded by this, not by how finely its bytes were split into fields."""
+
+    __slots__ = ("limit", "left")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise TooManyFields(f"more than {self.limit} fields")
+
+
+def _fields(buf: bytes | memoryview, budget: _FieldBudget | None = None):
     """Yield (field number, wire type, start, end) of each top-level field.
 
     For length-delimited fields start/end bound the payload; for others, the raw value
-    bytes (a varint is decoded by the caller when it cares).
+    bytes (a varint is decoded by the caller when it cares). `budget`, when given, is
+    charged one per field.
     """
     pos = 0
     size = len(buf)
     while pos < size:
+        if budget is not None:
+            budget.spend()
         key, pos = _read_varint(buf, pos)
         number, wire_type = key >> 3, key & 7
         if number == 0 or key >> 32:
@@ -115,19 +138,19 @@ def _fields(buf: bytes | memoryview):
         raise WireError("truncated message")
 
 
-def _map_entry_key(buf: bytes) -> str:
-    for number, wire_type, start, end in _fields(buf):
+def _map_entry_key(buf: bytes, budget: _FieldBudget | None = None) -> str:
+    for number, wire_type, start, end in _fields(buf, budget):
         if number == _KEY and wire_type == _LEN:
             return buf[start:end].decode("utf-8", "replace")
     return ""
 
 
-def _map_entry_bool(buf: bytes) -> bool | None:
+def _map_entry_bool(buf: bytes, budget: _FieldBudget | None = None) -> bool | None:
     """The bool_param of a map<string, InferParameter> entry's value, if it is one."""
-    for number, wire_type, start, end in _fields(buf):
+    for number, wire_type, start, end in _fields(buf, budget):
         if number == _VALUE and wire_type == _LEN:
             value = buf[start:end]
-            for vnumber, vtype, vstart, _ in _fields(value):
+            for vnumber, vtype, vstart, _ in _fields(value, budget):
                 if vnumber == _BOOL_PARAM and vtype == _VARINT:
                     return _read_varint(value, vstart)[0] != 0
     return None
@@ -185,7 +208,9 @@ def _schema(descriptor: Descriptor) -> _Schema:
 _INFER_REQUEST = _schema(service_pb2.ModelInferRequest.DESCRIPTOR)
 
 
-def _check_field(buf: bytes | memoryview, start: int, end: int, number: int, schema: _Schema) -> None:
+def _check_field(
+    buf: bytes | memoryview, start: int, end: int, number: int, schema: _Schema, budget: _FieldBudget
+) -> None:
     """Raise WireError where the protobuf runtime would refuse field `number`'s payload."""
     if number in schema.strings:
         try:
@@ -195,7 +220,7 @@ def _check_field(buf: bytes | memoryview, start: int, end: int, number: int, sch
         return
     nested = schema.messages.get(number)
     if nested is not None:
-        _check(memoryview(buf)[start:end], nested)
+        _check(memoryview(buf)[start:end], nested, budget)
         return
     size = schema.packed.get(number)
     if size is None:
@@ -207,10 +232,10 @@ def _check_field(buf: bytes | memoryview, start: int, end: int, number: int, sch
         raise WireError(f"packed field {number} holds an invalid varint")
 
 
-def _check(buf: memoryview, schema: _Schema) -> None:
-    for number, wire_type, start, end in _fields(buf):
+def _check(buf: memoryview, schema: _Schema, budget: _FieldBudget) -> None:
+    for number, wire_type, start, end in _fields(buf, budget):
         if wire_type == _LEN:
-            _check_field(buf, start, end, number, schema)
+            _check_field(buf, start, end, number, schema, budget)
 
 
 @dataclass(slots=True)
@@ -224,33 +249,39 @@ class InferRequestHead:
     """The first dimension of the first input's shape: the batch size (the `text` cost)."""
 
 
-def peek_request(buf: bytes) -> InferRequestHead:
+def peek_request(buf: bytes, max_fields: int) -> InferRequestHead:
     """Read model_name, id, the empty-final-response opt-in and the batch rows, and check
     the whole request as Triton's parser would (WireError where it would refuse it); tensor
-    bytes are skipped."""
+    bytes are skipped.
+
+    Every field is visited (a later model_name would win at Triton, so none may be
+    missed), at most `max_fields` of them, nested ones included: a message made of more
+    raises TooManyFields after that many steps, whatever its size.
+    """
+    budget = _FieldBudget(max_fields)
     head = InferRequestHead()
     first_input = True
-    for number, wire_type, start, end in _fields(buf):
+    for number, wire_type, start, end in _fields(buf, budget):
         if wire_type != _LEN:
             continue
-        _check_field(buf, start, end, number, _INFER_REQUEST)
+        _check_field(buf, start, end, number, _INFER_REQUEST, budget)
         if number == _REQUEST_INPUTS and first_input:
             first_input = False
-            head.rows = _first_dimension(buf[start:end], head.rows)
+            head.rows = _first_dimension(buf[start:end], head.rows, budget)
         elif number == _MODEL_NAME:
             head.model_name = str(buf[start:end], "utf-8")
         elif number == _ID:
             head.id = str(buf[start:end], "utf-8")
         elif number == _PARAMETERS:
             entry = buf[start:end]
-            if _map_entry_key(entry) == EMPTY_FINAL_PARAM:
-                head.wants_empty_final = bool(_map_entry_bool(entry))
+            if _map_entry_key(entry, budget) == EMPTY_FINAL_PARAM:
+                head.wants_empty_final = bool(_map_entry_bool(entry, budget))
     return head
 
 
-def _first_dimension(tensor: bytes, default: int) -> int:
+def _first_dimension(tensor: bytes, default: int, budget: _FieldBudget) -> int:
     """shape[0] of an InferInputTensor (packed or not), or `default` if it has no shape."""
-    for number, wire_type, start, end in _fields(tensor):
+    for number, wire_type, start, end in _fields(tensor, budget):
         if number != _INPUT_SHAPE:
             continue
         if wire_type == _LEN:

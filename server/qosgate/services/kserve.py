@@ -18,9 +18,11 @@ Upstream Triton errors go back with Triton's own code, details and trailers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +35,9 @@ from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
+from qosgate.memory import HeapTrimmer
 from qosgate.metrics import GatewayMetrics
-from qosgate.quota import Admission, Refused
+from qosgate.quota import Admission, Refused, StreamLimiter
 from qosgate.scheduler import Dispatch, Scheduler
 from qosgate.scheduler.cost import unit_cost
 from qosgate.services import edge, infer_wire, status
@@ -97,6 +100,8 @@ class KServeService:
         pool: UpstreamPool,
         metrics: GatewayMetrics,
         clock: Clock,
+        streams: StreamLimiter,
+        heap: HeapTrimmer,
     ) -> None:
         self._config = config
         self._directory = directory
@@ -105,6 +110,9 @@ class KServeService:
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
+        self._limits = config.limits
+        self._streams = streams
+        self._heap = heap
         self._stream_ids = itertools.count(1)
 
     # -- registration ---------------------------------------------------------------
@@ -217,9 +225,15 @@ class KServeService:
 
     async def _model_infer(self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         outcome = _Outcome("ModelInfer", tenant=tenant.name)
+        size = len(request)
+        infer = self._infer_once(tenant, request, context, outcome)
+        del request  # held by `infer` alone, whose frame `_let_go` clears on a failure
         try:
-            return await self._infer_once(tenant, request, context, outcome)
-        except grpc.aio.AbortError:
+            response = await infer
+            size += len(response)
+            return response
+        except grpc.aio.AbortError as e:
+            _let_go(e)
             self._record(outcome, None)
             raise
         except asyncio.CancelledError:
@@ -227,14 +241,17 @@ class KServeService:
             self._record(outcome, None)
             raise
         except Exception as e:  # refused or a bug: recorded here, answered by the edge
+            _let_go(e)
             self._record(outcome, e)
             raise
+        finally:
+            self._heap.message(size)
 
     async def _infer_once(
         self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
     ) -> bytes:
         metadata = text_headers(context)
-        head = _peek(request)
+        head = self._peek(request)
         model = head.model_name
         klass = self._authorize(tenant, metadata, model)
         outcome.model, outcome.klass = model, klass
@@ -254,6 +271,7 @@ class KServeService:
                     try:
                         response = await upstream.unary("ModelInfer")(request + fragment, timeout=timeout)
                         dispatch.responded()
+                        self._metrics.model_served(model)
                     except grpc.aio.AioRpcError as e:
                         outcome.code = e.code().name
                         await self._pass_through(upstream, e, context)
@@ -265,10 +283,36 @@ class KServeService:
         self._record(outcome, None)
         return response
 
+    def _peek(self, raw: bytes) -> infer_wire.InferRequestHead:
+        try:
+            head = infer_wire.peek_request(raw, self._limits.max_request_fields)
+        except infer_wire.WireError as e:
+            raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
+        if not head.model_name:
+            raise errors.InvalidArgument("ModelInferRequest has no model_name")
+        return head
+
     async def _model_stream_infer(
         self, tenant: Tenant, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         await _StreamSession(self, tenant, requests, context).run()
+
+
+def _let_go(error: BaseException) -> None:
+    """Clear the locals of the finished frames that `error`, and the errors it chains to,
+    passed through; their line numbers stay for the log.
+
+    grpc keeps an aborted call's exception on the call's state, which those frames reach
+    through their `context`: a reference cycle that would hold the request's bytes (a
+    local there, and inside a failed upstream call) until the next full collection, for
+    big requests hundreds of MB. Frames still running are skipped by `clear_frames`.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 _Check = Callable[[Tenant, Any], None]
@@ -293,14 +337,6 @@ def _visible_only(response_type: type[Any], field_name: str) -> _ReplyFilter:
     return keep_visible
 
 
-def _peek(raw: bytes) -> infer_wire.InferRequestHead:
-    try:
-        head = infer_wire.peek_request(raw)
-    except infer_wire.WireError:
-        raise errors.InvalidArgument("malformed ModelInferRequest") from None
-    if not head.model_name:
-        raise errors.InvalidArgument("ModelInferRequest has no model_name")
-    return head
 
 
 @dataclass(slots=True, eq=False)
@@ -311,7 +347,67 @@ class _InFlight:
     wants_empty_final: bool
     dispatch: Dispatch
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with `done`, or earlier when the stream stalls (its caller does not read): the
+    # request then gives its dispatch slot back, so a stream that is not read never
+    # holds a model's window for other tenants.
+    slot_free: asyncio.Event = field(default_factory=asyncio.Event)
     failed: bool = False  # Triton answered with an error_message
+
+    def end(self, failed: bool = False) -> None:
+        self.failed = failed
+        self.done.set()
+        self.slot_free.set()
+
+
+class _Outbox:
+    """The responses of one stream waiting for its caller to read them, bounded in bytes.
+
+    `put` waits while the buffer holds `max_bytes` or more (a message larger than the
+    bound still passes once the buffer is below it), so the stream's producers stop when
+    its caller stops reading. `flowing` is set while there is room.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._items: collections.deque[bytes] = collections.deque()
+        self._bytes = 0
+        self._max_bytes = max_bytes
+        self._readable = asyncio.Event()
+        self._closed = False
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+
+    def full(self) -> bool:
+        return self._bytes >= self._max_bytes
+
+    async def put(self, item: bytes) -> None:
+        """Queue `item` once there is room; after `close` it is dropped (the stream ended)."""
+        while self.full() and not self._closed:
+            await self.flowing.wait()
+        if self._closed:
+            return
+        self._items.append(item)
+        self._bytes += len(item)
+        if self.full():
+            self.flowing.clear()
+        self._readable.set()
+
+    def close(self) -> None:
+        """Nothing more is queued: `get` returns what is already there, then None."""
+        self._closed = True
+        self._readable.set()
+        self.flowing.set()
+
+    async def get(self) -> bytes | None:
+        while not self._items:
+            if self._closed:
+                return None
+            self._readable.clear()
+            await self._readable.wait()
+        item = self._items.popleft()
+        self._bytes -= len(item)
+        if not self.full():
+            self.flowing.set()
+        return item
 
 
 def _stream_error(request_id: str, message: str) -> bytes:
@@ -329,6 +425,11 @@ class _StreamSession:
     that a decoupled model's end is always seen; callers that did not ask for it do not
     get it. A refusal of one request is reported in the stream, as Triton reports a
     failed request, and the stream goes on.
+
+    Everything a stream holds is bounded (`limits`): responses waiting for the caller
+    (`stream_buffer_bytes`) and requests read and not finished (`stream_max_pending`).
+    While the caller does not read, the session stops reading Triton's responses and the
+    caller's requests, and its requests at Triton give their dispatch slots back.
     """
 
     def __init__(
@@ -343,7 +444,7 @@ class _StreamSession:
         self._requests = requests
         self._context = context
         self._metadata = text_headers(context)
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._outbox = _Outbox(service._limits.stream_buffer_bytes)
         self._in_flight: dict[str, _InFlight] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._write_lock = asyncio.Lock()
@@ -355,12 +456,23 @@ class _StreamSession:
         self._ids = itertools.count(1)
 
     async def run(self) -> None:
-        svc, context = self._svc, self._context
+        svc = self._svc
+        outcome = _Outcome("ModelStreamInfer", tenant=self._tenant.name)
         try:
             upstream = svc._pool.pick()
+            opened = svc._streams.open(self._tenant)
+            if isinstance(opened, Refused):
+                raise opened.error()
         except errors.GatewayError as e:  # answered by the edge
-            svc._record(_Outcome("ModelStreamInfer", tenant=self._tenant.name), e)
+            svc._record(outcome, e)
             raise
+        try:
+            await self._relay(upstream)
+        finally:
+            await opened.permit.release()
+
+    async def _relay(self, upstream: Upstream) -> None:
+        svc, context = self._svc, self._context
         forwarded = (
             ((GRPC_ERROR_HEADER, self._metadata[GRPC_ERROR_HEADER]),) if self._close_on_error else None
         )
@@ -385,11 +497,23 @@ class _StreamSession:
                 await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
 
     async def _pump(self, tenant: Tenant, call: grpc.aio.StreamStreamCall) -> None:
+        pending = asyncio.Semaphore(self._svc._limits.stream_max_pending)
+        requests = aiter(self._requests)
         try:
-            async for raw in self._requests:
+            while True:
+                # A caller that does not read its responses gets no more requests read.
+                await self._outbox.flowing.wait()
+                await pending.acquire()
+                try:
+                    raw = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                self._svc._heap.message(len(raw))
                 task = asyncio.create_task(self._serve(tenant, call, raw))
+                del raw  # held by the task only, until it is sent upstream
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _: pending.release())
             # The caller half-closed: once its requests are finished, so do we upstream.
             while self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -403,7 +527,7 @@ class _StreamSession:
         client_id = ""
         verdict = None
         try:
-            head = _peek(raw)
+            head = svc._peek(raw)
             client_id = head.id
             klass = svc._authorize(tenant, self._metadata, head.model_name)
             outcome.model, outcome.klass = head.model_name, klass
@@ -411,16 +535,26 @@ class _StreamSession:
             if isinstance(verdict, Refused):
                 raise verdict.error()
             deadline = svc._deadline(self._context)
-            async with svc._scheduler.slot(
-                tenant=tenant, klass=klass, model=head.model_name, deadline=deadline, cost=svc._cost(head, raw)
-            ) as dispatch:
-                svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
-                fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)
-                gateway_id = f"{self._prefix}{next(self._ids)}"
-                entry = _InFlight(client_id, head.wants_empty_final, dispatch)
-                self._in_flight[gateway_id] = entry
-                started = time.perf_counter()
-                try:
+            # Nothing of a stream whose caller is not reading is dispatched.
+            await self._outbox.flowing.wait()
+            entry: _InFlight | None = None
+            gateway_id = ""
+            try:
+                async with svc._scheduler.slot(
+                    tenant=tenant,
+                    klass=klass,
+                    model=head.model_name,
+                    deadline=deadline,
+                    cost=svc._cost(head, raw),
+                ) as dispatch:
+                    svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
+                    fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)
+                    gateway_id = f"{self._prefix}{next(self._ids)}"
+                    started = time.perf_counter()
+                    entry = _InFlight(client_id, head.wants_empty_final, dispatch)
+                    self._in_flight[gateway_id] = entry
+                    if self._outbox.full():
+                        entry.slot_free.set()
                     async with self._write_lock:
                         await call.write(
                             raw
@@ -428,11 +562,17 @@ class _StreamSession:
                             + infer_wire.id_fragment(gateway_id)
                             + infer_wire.empty_final_fragment()
                         )
-                    await entry.done.wait()
-                    if entry.failed:
-                        # In-band errors carry no status code; the metric still must not say OK.
-                        outcome.code = "UPSTREAM_ERROR"
-                finally:
+                    del raw  # sent: a request waiting at Triton does not keep its bytes here
+                    await entry.slot_free.wait()
+                # The slot may be back before the request is done (a stalled stream).
+                await entry.done.wait()
+                if entry.failed:
+                    # In-band errors carry no status code; the metric still must not say OK.
+                    outcome.code = "UPSTREAM_ERROR"
+                else:
+                    svc._metrics.model_served(head.model_name)
+            finally:
+                if entry is not None:
                     self._in_flight.pop(gateway_id, None)
                     svc._metrics.upstream_latency(
                         self._upstream_name, head.model_name, time.perf_counter() - started
@@ -443,9 +583,9 @@ class _StreamSession:
             svc._record(outcome, e)
             if self._close_on_error:
                 self._fatal = e
-                self._outbox.put_nowait(None)
+                self._outbox.close()
             else:
-                self._outbox.put_nowait(_stream_error(client_id, status.stream_error_message(e)))
+                await self._outbox.put(_stream_error(client_id, status.stream_error_message(e)))
             return
         finally:
             if verdict is not None and not isinstance(verdict, Refused):
@@ -458,20 +598,29 @@ class _StreamSession:
                 head = infer_wire.peek_stream_response(raw)
                 entry = self._in_flight.get(head.id)
                 if entry is None:
-                    self._outbox.put_nowait(raw)
+                    await self._deliver(raw)
                     continue
                 entry.dispatch.responded()
                 if head.is_final:
-                    entry.failed = head.is_error
-                    entry.done.set()
+                    entry.end(failed=head.is_error)
                     if not (head.has_outputs or head.is_error or entry.wants_empty_final):
                         continue  # the empty final response we asked for, not the caller
-                self._outbox.put_nowait(raw + infer_wire.stream_response_id_fragment(entry.client_id))
+                await self._deliver(raw + infer_wire.stream_response_id_fragment(entry.client_id))
         except grpc.aio.AioRpcError as e:
             # Any end but OK goes to the caller, CANCELLED included (Triton gave up on the
             # stream): only this session cancels the call itself, and then nobody listens.
             self._upstream_error = e
         finally:
             for entry in self._in_flight.values():
-                entry.done.set()
-            self._outbox.put_nowait(None)
+                entry.end()
+            self._outbox.close()
+
+    async def _deliver(self, response: bytes) -> None:
+        """Queue a response for the caller; while its buffer is full, stop reading Triton."""
+        if self._outbox.full():
+            # The caller is not reading: its requests at Triton give their slots back
+            # rather than hold the model's window while this stream waits.
+            for entry in self._in_flight.values():
+                entry.slot_free.set()
+        self._svc._heap.message(len(response))
+        await self._outbox.put(response)

@@ -42,10 +42,10 @@ METHODS = tuple(m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInf
 _SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
 _READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
 
+# The gateway appends a few small parameters (priority, timeout, id) to each request.
+FRAGMENT_ALLOWANCE_BYTES = 64 * 1024
+# Message sizes are set per pool from the gateway's limits (`UpstreamPool`).
 _CHANNEL_OPTIONS = (
-    # Triton's own limit is 2 GiB; gRPC's default 4 MiB would refuse ordinary batches of tensors.
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
     ("grpc.keepalive_time_ms", 30_000),
     # gRPC's default reconnect backoff grows from 1 s to 120 s, so a Triton restarted after
     # a few failed attempts was reached 5-19 s after it listened again. Retry at most a
@@ -66,11 +66,14 @@ _CHANNEL_OPTIONS = (
 HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
 
 
-def open_channel(url: str, tls: UpstreamTlsConfig | None) -> grpc.aio.Channel:
+def open_channel(
+    url: str, tls: UpstreamTlsConfig | None, message_options: Sequence[tuple[str, int]] = ()
+) -> grpc.aio.Channel:
     """The channel to one Triton endpoint; the one place upstream channels are made."""
+    options = (*_CHANNEL_OPTIONS, *message_options)
     if tls is None:
-        return grpc.aio.insecure_channel(url, options=_CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(url, channel_credentials(tls), options=_CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(url, options=options)
+    return grpc.aio.secure_channel(url, channel_credentials(tls), options=options)
 
 
 class Upstream:
@@ -88,9 +91,10 @@ class Upstream:
         "_stream",
         "_probes_started",
         "_probe_applied",
+        "_message_options",
     )
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, message_options: Sequence[tuple[str, int]] = ()) -> None:
         self.name = config.name
         self.url = config.url
         self.tls = config.tls
@@ -105,10 +109,11 @@ class Upstream:
         # after a newer one's.
         self._probes_started = 0
         self._probe_applied = 0
+        self._message_options = tuple(message_options)
 
     def open(self) -> None:
         """Create the channel; inside the event loop that will use it (grpc.aio binds to it)."""
-        channel = self.channel = open_channel(self.url, self.tls)
+        channel = self.channel = open_channel(self.url, self.tls, self._message_options)
         # No serializers: bytes go out and come back as they are on the wire.
         self._unary = {
             m: channel.unary_unary(f"/{SERVICE}/{m}") for m in METHODS if m != "ModelStreamInfer"
@@ -158,10 +163,19 @@ class UpstreamPool:
         *,
         check_interval_s: float = 1.0,
         check_timeout_s: float = 1.0,
+        max_request_bytes: int = (1 << 31) - 1 - FRAGMENT_ALLOWANCE_BYTES,
+        max_response_bytes: int = (1 << 31) - 1,
     ) -> None:
+        """`max_request_bytes`/`max_response_bytes`: the gateway's own message limits, so
+        that what it accepts from a caller Triton is sent whole, and what Triton answers
+        is taken only as large as the gateway may pass on."""
         if not configs:
             raise ValueError("at least one upstream is required")
-        self.upstreams = tuple(Upstream(c) for c in configs)
+        sizes = (
+            ("grpc.max_send_message_length", max_request_bytes + FRAGMENT_ALLOWANCE_BYTES),
+            ("grpc.max_receive_message_length", max_response_bytes),
+        )
+        self.upstreams = tuple(Upstream(c, sizes) for c in configs)
         self._check_interval_s = check_interval_s
         self._check_timeout_s = check_timeout_s
         self._turn = itertools.count()
