@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,6 +29,17 @@ OTHER_MODEL = "_other"
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+
+_K = TypeVar("_K")
+
+
+def _summed(items: Iterable[tuple[_K, float]]) -> Iterable[tuple[_K, float]]:
+    """Values added up per key: several unknown models count as one `_other`."""
+    totals: dict[_K, float] = {}
+    for key, value in items:
+        totals[key] = totals.get(key, 0) + value
+    return totals.items()
 
 
 class _ScrapeTimeCollector(Collector):
@@ -47,24 +58,19 @@ class _ScrapeTimeCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         snapshot = self._scheduler()
         label = self._model_label
-        queued: dict[tuple[str, str, str], int] = {}
-        for (model, klass, tenant), count in snapshot.queued.items():
-            key = (label(model), klass, tenant)
-            queued[key] = queued.get(key, 0) + count
         depth = GaugeMetricFamily(
             "qosgate_queue_depth",
             "Requests waiting in the gateway's scheduler",
             labels=("model", "class", "tenant"),
         )
-        for labels, count in queued.items():
-            depth.add_metric(labels, count)
-        dispatched: dict[str, int] = {}
-        for model, count in snapshot.in_flight.items():
-            dispatched[label(model)] = dispatched.get(label(model), 0) + count
+        for (model, klass, tenant), count in _summed(
+            ((label(m), k, t), n) for (m, k, t), n in snapshot.queued.items()
+        ):
+            depth.add_metric((model, klass, tenant), count)
         in_flight = GaugeMetricFamily(
             "qosgate_in_flight", "Requests dispatched to Triton and not finished", labels=("model",)
         )
-        for model, count in dispatched.items():
+        for model, count in _summed((label(m), n) for m, n in snapshot.in_flight.items()):
             in_flight.add_metric((model,), count)
         window = GaugeMetricFamily(
             "qosgate_dispatch_window",
@@ -72,7 +78,8 @@ class _ScrapeTimeCollector(Collector):
             labels=("model",),
         )
         for model, size in snapshot.window.items():
-            window.add_metric((model,), size)
+            if label(model) == model:  # windows do not add up: unknown models are left out
+                window.add_metric((model,), size)
         served = CounterMetricFamily(
             "qosgate_tenant_service",
             "Cost of the requests a tenant finished, as the fair share counts it: weighted "
@@ -80,7 +87,9 @@ class _ScrapeTimeCollector(Collector):
             "cost_unit for other models, requests with fair_share: requests",
             labels=("model", "tenant"),
         )
-        for (model, tenant), cost in snapshot.served.items():
+        for (model, tenant), cost in _summed(
+            ((label(m), t), c) for (m, t), c in snapshot.served.items()
+        ):
             served.add_metric((model, tenant), cost)
         live = GaugeMetricFamily(
             "qosgate_upstream_live",
