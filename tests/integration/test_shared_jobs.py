@@ -152,8 +152,10 @@ def test_kill_9_of_a_gateway_running_items_leaves_the_job_to_the_other(
 ) -> None:
     victim, survivor = gateways
     total = 200
+    # Created on the victim, which starts running it at once; the survivor joins in.
+    with Client(victim.target, ACME_KEY) as on_victim:
+        batch = submit(on_victim, total)
     with Client(survivor.target, ACME_KEY) as client:
-        batch = submit(client, total)
         assert victim.proc is not None
         pid = victim.proc.pid
         deadline = time.monotonic() + 60
