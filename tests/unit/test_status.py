@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -9,6 +11,7 @@ from grpc_status import rpc_status
 
 from qosgate import errors
 from qosgate.services import status
+from tests.fakes import FakeClock
 
 _METHOD = "/test.Errors/Raise"
 
@@ -116,3 +119,26 @@ def test_a_message_quoting_a_huge_value_is_cut_to_the_bound() -> None:
     assert rich.message.startswith("may not use model 'mmm") and rich.message.endswith("...")
     short = status.to_rich_status(errors.InvalidArgument("x" * status.MAX_MESSAGE_CHARS))
     assert short.message == "x" * status.MAX_MESSAGE_CHARS
+
+
+def test_internal_errors_are_logged_in_full_only_up_to_the_budget(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(status, "_tracebacks", status.LogBudget(per_window=3, window_s=60.0, clock=clock))
+    caplog.set_level(logging.ERROR, logger=status.__name__)
+
+    def burst(count: int) -> list[logging.LogRecord]:
+        caplog.clear()
+        for _ in range(count):
+            assert status.to_rich_status(RuntimeError("bug")).message.startswith(status.INTERNAL_MESSAGE)
+        return caplog.records
+
+    logged = burst(50)
+    # Three with their traceback, one line saying the rest are not logged, then silence.
+    assert [bool(r.exc_info) for r in logged] == [True, True, True, False]
+    assert "not logged until the next" in logged[-1].getMessage()
+    clock.advance(59.9)
+    assert burst(5) == []
+    clock.advance(0.1)  # a new window
+    assert [bool(r.exc_info) for r in burst(3)] == [True, True, True]

@@ -22,6 +22,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from qosgate import errors
+from qosgate.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,30 @@ _INTERNAL_ROW = TABLE[errors.Internal]
 _incidents = itertools.count(1)
 
 
+class LogBudget:
+    """Counts log entries per window of `window_s`: whoever can trigger a bug must not be
+    able to flood the log with its tracebacks, so only the first entries of a window are
+    written in full (incident numbers are consecutive: the gap shows how many were not)."""
+
+    def __init__(self, per_window: int, window_s: float, clock: Clock) -> None:
+        self.per_window = per_window
+        self._window_s = window_s
+        self._clock = clock
+        self._start = -math.inf
+        self._taken = 0
+
+    def take(self) -> int:
+        """This entry's position in the current window (1 for the first)."""
+        now = self._clock.now()
+        if now - self._start >= self._window_s:
+            self._start, self._taken = now, 0
+        self._taken += 1
+        return self._taken
+
+
+_tracebacks = LogBudget(per_window=10, window_s=60.0, clock=MonotonicClock())
+
+
 def row_of(error: BaseException) -> StatusRow:
     """The table row for `error`; anything that is not a domain error is INTERNAL."""
     for klass in type(error).__mro__:
@@ -81,7 +106,15 @@ def _public_message(error: BaseException, row: StatusRow) -> str:
     if row is _INTERNAL_ROW:
         incident = next(_incidents)
         # The cause goes to the log only: it may name files, hosts or upstream internals.
-        log.error("internal error (incident %d): %r", incident, error, exc_info=error)
+        taken = _tracebacks.take()
+        if taken <= _tracebacks.per_window:
+            log.error("internal error (incident %d): %r", incident, error, exc_info=error)
+        elif taken == _tracebacks.per_window + 1:
+            log.error(
+                "internal error (incident %d): more than %d this minute; not logged until the next",
+                incident,
+                _tracebacks.per_window,
+            )
         return f"{INTERNAL_MESSAGE} (incident {incident})"
     return bounded(error.message)  # type: ignore[attr-defined]
 
