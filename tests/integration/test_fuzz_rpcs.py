@@ -284,7 +284,16 @@ SEEN: collections.defaultdict[str, collections.Counter[str]] = collections.defau
 FAILURES: list[str] = []
 STARTED: list[float] = []
 PROBES = collections.Counter[str]()
-AUTH = (("authorization", f"Bearer {FUZZ_KEY}"),)
+Metadata = tuple[tuple[str, str], ...]
+AUTH: Metadata = (("authorization", f"Bearer {FUZZ_KEY}"),)
+# The other headers the gateway reads, with values good and bad.
+HEADERS = st.lists(
+    st.tuples(
+        st.sampled_from(["x-priority", "triton_grpc_error"]),
+        st.sampled_from(["", "critical", "interactive", "batch", "gold", "true", "TRUE", "x" * 2000]),
+    ),
+    max_size=2,
+).map(tuple)
 
 
 def _record(method: MethodDescriptor, raw: bytes, code: grpc.StatusCode, details: str) -> None:
@@ -297,21 +306,21 @@ def _path(method: MethodDescriptor) -> str:
     return f"/{method.containing_service.full_name}/{method.name}"
 
 
-def _call(channel: grpc.Channel, method: MethodDescriptor, batch: list[bytes]) -> None:
+def _call(channel: grpc.Channel, method: MethodDescriptor, batch: list[bytes], metadata: Metadata) -> None:
     path = _path(method)
     if method.client_streaming and method.server_streaming:
-        _stream(channel, method, batch)
+        _stream(channel, method, batch, metadata)
         return
     for raw in batch:
         try:
             if method.client_streaming:
                 # A client stream: the batch's requests as chunks of one call.
-                channel.stream_unary(path)(iter(batch), metadata=AUTH, timeout=DEADLINE_S)
+                channel.stream_unary(path)(iter(batch), metadata=metadata, timeout=DEADLINE_S)
             elif method.server_streaming:
-                for _ in channel.unary_stream(path)(raw, metadata=AUTH, timeout=DEADLINE_S):
+                for _ in channel.unary_stream(path)(raw, metadata=metadata, timeout=DEADLINE_S):
                     pass
             else:
-                channel.unary_unary(path)(raw, metadata=AUTH, timeout=DEADLINE_S)
+                channel.unary_unary(path)(raw, metadata=metadata, timeout=DEADLINE_S)
             _record(method, raw, grpc.StatusCode.OK, "")
         except grpc.RpcError as e:
             _record(method, raw, e.code(), e.details() or "")
@@ -319,12 +328,12 @@ def _call(channel: grpc.Channel, method: MethodDescriptor, batch: list[bytes]) -
             return
 
 
-def _stream(channel: grpc.Channel, method: MethodDescriptor, batch: list[bytes]) -> None:
+def _stream(channel: grpc.Channel, method: MethodDescriptor, batch: list[bytes], metadata: Metadata) -> None:
     """One stream carrying the batch: every request answered in it, the stream ending OK."""
     answers = []
     call = channel.stream_stream(_path(method), response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
     try:
-        for answer in call(iter(batch), metadata=AUTH, timeout=DEADLINE_S):
+        for answer in call(iter(batch), metadata=metadata, timeout=DEADLINE_S):
             answers.append(answer)
     except grpc.RpcError as e:
         _record(method, b"<stream>", e.code(), e.details() or "")
@@ -387,10 +396,10 @@ def test_fuzz(channel: grpc.Channel, name: str) -> None:
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(batches_of(method))
-    def batches(batch: list[bytes]) -> None:
+    @given(batches_of(method), HEADERS)
+    def batches(batch: list[bytes], headers: Metadata) -> None:
         FAILURES.clear()
-        _call(channel, method, batch)
+        _call(channel, method, batch, AUTH + headers)
         _unauthenticated(channel, method, batch[0])
         assert not FAILURES, "\n".join(FAILURES)
         _still_serving(channel)
