@@ -227,7 +227,7 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_memory_returns_near_baseline_after_three_100_mib_requests(triton, tmp_path) -> None:
+def test_memory_returns_near_baseline_after_100_mib_requests_served_and_failed(triton, tmp_path) -> None:
     require_model(MODEL)
     config = {
         "listen": f"127.0.0.1:{free_port()}",
@@ -253,6 +253,10 @@ def test_memory_returns_near_baseline_after_three_100_mib_requests(triton, tmp_p
                 reply = client.infer(MODEL, [big], headers=bearer(ACME_KEY))
                 assert reply.as_numpy("OUTPUT0").nbytes == 100 * MiB
                 del reply
+            # Failed calls too: their errors must not keep the request alive in a cycle.
+            for _ in range(3):
+                with pytest.raises(grpcclient.InferenceServerException):
+                    client.infer("no-such-model", [big], headers=bearer(ACME_KEY))
             # The heap is trimmed a moment after the last large message.
             deadline = time.monotonic() + 30
             while (grown := _rss_mb(pid) - baseline) > 40 and time.monotonic() < deadline:

@@ -15,6 +15,7 @@ method has no parser), and returns or yields the response.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,7 @@ class Edge:
                 tenant = self._identify(context)
                 return await method.call(tenant, self._parse(method, tenant, raw), context)
             except Exception as e:
+                raw = b""  # see `_answer`: this frame outlives the call
                 await _answer(context, e)
 
         return handle
@@ -138,6 +140,7 @@ class Edge:
                 async for reply in method.call(tenant, self._parse(method, tenant, raw), context):
                     yield reply
             except Exception as e:
+                raw = b""  # see `_answer`: this frame outlives the call
                 await _answer(context, e)
 
         return handle
@@ -176,6 +179,22 @@ class Edge:
 
 
 async def _answer(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    # grpc keeps the abort's exception on the call's state, and the frames in its
+    # traceback reach that state through their `context`: a reference cycle that would
+    # hold the request (a local of those frames) until the next full collection, hundreds
+    # of MB after big requests. The finished frames let go of their locals here (their
+    # lines stay for the log); the running handler drops its request itself.
+    _clear_frames(error)
     if isinstance(error, grpc.aio.AbortError):
         raise error  # the servicer already answered (e.g. Triton's own error passed through)
     await status.abort(context, error)
+
+
+def _clear_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames `error` and the errors it chains passed."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__

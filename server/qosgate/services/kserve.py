@@ -22,7 +22,6 @@ import collections
 import itertools
 import logging
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,14 +225,11 @@ class KServeService:
     async def _model_infer(self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         outcome = _Outcome("ModelInfer", tenant=tenant.name)
         size = len(request)
-        infer = self._infer_once(tenant, request, context, outcome)
-        del request  # held by `infer` alone, whose frame `_let_go` clears on a failure
         try:
-            response = await infer
+            response = await self._infer_once(tenant, request, context, outcome)
             size += len(response)
             return response
-        except grpc.aio.AbortError as e:
-            _let_go(e)
+        except grpc.aio.AbortError:
             self._record(outcome, None)
             raise
         except asyncio.CancelledError:
@@ -241,7 +237,6 @@ class KServeService:
             self._record(outcome, None)
             raise
         except Exception as e:  # refused or a bug: recorded here, answered by the edge
-            _let_go(e)
             self._record(outcome, e)
             raise
         finally:
@@ -296,23 +291,6 @@ class KServeService:
         self, tenant: Tenant, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         await _StreamSession(self, tenant, requests, context).run()
-
-
-def _let_go(error: BaseException) -> None:
-    """Clear the locals of the finished frames that `error`, and the errors it chains to,
-    passed through; their line numbers stay for the log.
-
-    grpc keeps an aborted call's exception on the call's state, which those frames reach
-    through their `context`: a reference cycle that would hold the request's bytes (a
-    local there, and inside a failed upstream call) until the next full collection, for
-    big requests hundreds of MB. Frames still running are skipped by `clear_frames`.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
 
 
 _Check = Callable[[Tenant, Any], None]
