@@ -119,6 +119,24 @@ def upstream_error(pool: UpstreamPool, upstream: Upstream, error: grpc.aio.AioRp
     return kind(f"Triton: {error.details()}")
 
 
+def record_generation(
+    metrics: GatewayMetrics, rpc: str, model: str, labels: CallLabels, error: BaseException | None
+) -> None:
+    """Count a finished generation call by its outcome's status code (the one table's),
+    for every front end alike (`rpc` names the API and method)."""
+    code = "OK"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        code = grpc.StatusCode.CANCELLED.name
+    elif error is not None:
+        row = status.row_of(error)
+        code = row.code.name
+        if isinstance(error, errors.GatewayError):
+            metrics.rejected(row.reason, labels.tenant, labels.klass)
+    if labels.queue_wait_s is not None:
+        metrics.queue_wait(labels.klass, labels.tenant, labels.queue_wait_s)
+    metrics.request_done(rpc, model, labels.tenant, labels.klass, code)
+
+
 class GenerationServicer:
     """Generate and GenerateStream on top of a GenerationPlane (served through `edge`)."""
 
@@ -130,17 +148,7 @@ class GenerationServicer:
         self._metrics = metrics
 
     def _record(self, rpc: str, model: str, labels: CallLabels, error: BaseException | None) -> None:
-        code = "OK"
-        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-            code = grpc.StatusCode.CANCELLED.name
-        elif error is not None:
-            row = status.row_of(error)
-            code = row.code.name
-            if isinstance(error, errors.GatewayError):
-                self._metrics.rejected(row.reason, labels.tenant, labels.klass)
-        if labels.queue_wait_s is not None:
-            self._metrics.queue_wait(labels.klass, labels.tenant, labels.queue_wait_s)
-        self._metrics.request_done(rpc, model, labels.tenant, labels.klass, code)
+        record_generation(self._metrics, rpc, model, labels, error)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining = context.time_remaining()

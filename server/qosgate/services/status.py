@@ -102,7 +102,8 @@ def _packed(message: object) -> any_pb2.Any:
     return packed
 
 
-def _public_message(error: BaseException, row: StatusRow) -> str:
+def public_message(error: BaseException, row: StatusRow) -> str:
+    """What the caller may read of `error` (every front end shows this text)."""
     if row is _INTERNAL_ROW:
         incident = next(_incidents)
         # The cause goes to the log only: it may name files, hosts or upstream internals.
@@ -127,7 +128,7 @@ def bounded(message: str) -> str:
 def to_rich_status(error: BaseException) -> status_pb2.Status:
     """The google.rpc.Status for `error`, details included."""
     row = row_of(error)
-    status = status_pb2.Status(code=row.code.value[0], message=_public_message(error, row))
+    status = status_pb2.Status(code=row.code.value[0], message=public_message(error, row))
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:
         status.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=_retry_delay(retry_after))))
