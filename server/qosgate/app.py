@@ -35,6 +35,9 @@ from qosgate.jobs.store import JobStore
 from qosgate.launcher import LocalTriton, TritonPorts
 from qosgate.memory import HeapTrimmer
 from qosgate.metrics import GatewayMetrics, MetricsEndpoint
+from qosgate.openai_api.batches import OpenAIBatches
+from qosgate.openai_api.files import FileStore
+from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
@@ -145,6 +148,10 @@ class Gateway:
                 max_delay_s=config.batch.retry_max_delay_s,
             ),
         )
+        self.openai_files = FileStore(
+            config.openai.files_db or paths.cache_dir() / "openai_files.sqlite3", wall_time=time.time
+        )
+        self.openai: OpenAIServer | None = None
         self._batch_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self._serve_metrics = serve_metrics
@@ -171,6 +178,11 @@ class Gateway:
     @property
     def metrics_port(self) -> int | None:
         return self._metrics_endpoint.port if self._metrics_endpoint else None
+
+    @property
+    def http_port(self) -> int | None:
+        """The OpenAI API's port once started; None when it is disabled."""
+        return self.openai.port if self.openai else None
 
     async def start(self) -> None:
         """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
@@ -233,15 +245,35 @@ class Gateway:
         )
         if self._serve_metrics:
             self._metrics_endpoint = self.metrics.serve(self.config.metrics_listen)
+        # Bound before gRPC serves: once health answers SERVING, the HTTP API is up too.
+        if self.config.openai.enabled:
+            self.openai = OpenAIServer(
+                config=self.config.openai,
+                directory=self.directory,
+                generation=self.generation,
+                embedding=self.embedding,
+                pool=self.pool,
+                batches=OpenAIBatches(
+                    files=self.openai_files,
+                    jobs=self.jobs,
+                    runner=self.batch_runner,
+                    directory=self.directory,
+                    config=self.config.batch,
+                    max_file_bytes=self.config.openai.max_file_bytes,
+                ),
+                metrics=self.metrics,
+            )
+            await self.openai.start()
         await server.start()
         self._server = server
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
-            "qosgate listening on %s (port %d, %s), metrics on %s; %s",
+            "qosgate listening on %s (port %d, %s), OpenAI API on %s, metrics on %s; %s",
             self.config.listen,
             self.port,
             "plaintext" if tls is None else "TLS" if tls.client_ca is None else "mutual TLS",
+            f"port {self.http_port}" if self.openai else "(off)",
             self.config.metrics_listen if self._serve_metrics else "(off)",
             self.config.summary(),
         )
@@ -270,6 +302,9 @@ class Gateway:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Refuse new calls, give running ones `grace_s`, then close upstreams and metrics."""
         await self.health.enter_graceful_shutdown()
+        if self.openai is not None:
+            await self.openai.stop()
+            self.openai = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -285,6 +320,7 @@ class Gateway:
             await self._shared_quota.aclose()
         self.ledger.close()
         await self.jobs.close()
+        self.openai_files.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
             self._metrics_endpoint = None

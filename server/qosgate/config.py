@@ -523,6 +523,26 @@ class QuotaStoreConfig(_Frozen):
         return url
 
 
+class OpenAIConfig(_Frozen):
+    """The OpenAI-compatible HTTP API, served by the gateway process beside gRPC."""
+
+    enabled: bool = True
+    """Serve the OpenAI API; false: gRPC only."""
+    listen: str = "127.0.0.1:8080"
+    """HTTP listen address `host:port` (port 0 picks a free one)."""
+    service_tiers: dict[str, str] = Field(default_factory=dict)
+    """OpenAI `service_tier` value -> priority class (`{priority: critical, flex: batch}`).
+    `auto` and `default` mean the tenant's default class unless mapped here; any other
+    unmapped tier is refused 400. An `x-priority` header wins over `service_tier`."""
+    files_db: str | None = None
+    """SQLite file of uploaded batch input files; relative paths are relative to the
+    working directory; default `<project>/.cache/openai_files.sqlite3`."""
+    max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Largest batch input file accepted by `POST /v1/files`."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    """Largest JSON body of the other endpoints."""
+
+
 class GatewayConfig(_Frozen):
     """The whole gateway configuration (see README, section `config`)."""
 
@@ -561,6 +581,8 @@ class GatewayConfig(_Frozen):
     gateway replicas."""
     limits: ResourceLimits = Field(default_factory=ResourceLimits)
     """Message sizes, streams per tenant and stream buffers (see `ResourceLimits`)."""
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
+    """The OpenAI-compatible HTTP API."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
@@ -656,6 +678,9 @@ class GatewayConfig(_Frozen):
                 if not pattern:
                     yield _FieldProblem(f"{where}.models[{j}]", "model pattern must not be empty")
 
+        for tier, klass in self.openai.service_tiers.items():
+            if klass not in levels:
+                yield unknown(f"openai.service_tiers.{tier}", klass)
         if self.batch.priority_class is not None and self.batch.priority_class not in levels:
             yield unknown("batch.priority_class", self.batch.priority_class)
         for name in self.batch.tenants:

@@ -57,6 +57,7 @@ def gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
     raw: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
+        "openai": {"listen": "127.0.0.1:0"},
         "upstreams": [{"name": "local", "url": upstream_url}],
         "tenants": [
             {
@@ -99,6 +100,10 @@ class GatewayThread:
             config = config.model_copy(
                 update={"batch": config.batch.model_copy(update={"db": str(state / "batch.sqlite3")})}
             )
+        if config.openai.files_db is None:
+            config = config.model_copy(
+                update={"openai": config.openai.model_copy(update={"files_db": str(state / "openai_files.sqlite3")})}
+            )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)
         self.gateway = Gateway(config, health_check_interval_s=health_check_interval_s)
@@ -115,6 +120,11 @@ class GatewayThread:
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def openai_url(self) -> str:
+        """Base URL of the OpenAI API, as the SDKs take it."""
+        return f"http://127.0.0.1:{self.gateway.http_port}/v1"
 
     def stop(self) -> None:
         try:

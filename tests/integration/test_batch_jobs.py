@@ -39,6 +39,7 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
     config = {
         "listen": f"127.0.0.1:{port}",
         "metrics_listen": "127.0.0.1:0",
+        "openai": {"listen": "127.0.0.1:0", "files_db": str(tmp_path / "openai_files.sqlite3")},
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(tmp_path / "usage.sqlite3"),
         "models": {"smollm2": {"dispatch_window": 8, "default_max_tokens": 16}},

@@ -28,6 +28,7 @@ def config(triton: LocalTriton, tmp_path: Path) -> dict[str, Any]:
     return {
         "listen": f"127.0.0.1:{free_port()}",
         "metrics_listen": "127.0.0.1:0",
+        "openai": {"listen": "127.0.0.1:0", "files_db": str(tmp_path / "openai_files.sqlite3")},
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(tmp_path / "usage.sqlite3"),
         "batch": {"db": str(tmp_path / "batch.sqlite3")},

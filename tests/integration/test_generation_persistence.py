@@ -38,6 +38,7 @@ def config_file(triton: LocalTriton, tmp_path: Path) -> Path:
             {
                 "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
                 "metrics_listen": "127.0.0.1:0",
+                "openai": {"listen": "127.0.0.1:0", "files_db": str(tmp_path / "openai_files.sqlite3")},
                 "usage_db": str(tmp_path / "usage.sqlite3"),
                 "tenants": [
                     {"name": "budgeted", "api_keys": [{"key": KEY}], "limits": {"daily_token_budget": BUDGET}}

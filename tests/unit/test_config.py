@@ -19,6 +19,7 @@ from qosgate.config import (
     LimitsConfig,
     ListenerTlsConfig,
     ModelPolicy,
+    OpenAIConfig,
     QuotaStoreConfig,
     ResourceLimits,
     SchedulerConfig,
@@ -224,6 +225,7 @@ def test_readme_documents_every_config_key() -> None:
         QuotaStoreConfig,
         JobStoreConfig,
         ResourceLimits,
+        OpenAIConfig,
     ]
     keys = {name for model in models for name in model.model_fields}
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}

@@ -1,0 +1,349 @@
+"""The OpenAI-compatible HTTP server (aiohttp), on the gateway's own event loop.
+
+Each route parses the wire, calls the plane the gRPC servicer of the same API calls
+(GenerationPlane.generate, EmbeddingPlane.embed, the batch job store through
+OpenAIBatches) and writes OpenAI's JSON. Every failure, from any route, goes through the
+one error table (`errors.http_error`).
+
+A client that disconnects cancels its handler (aiohttp's handler_cancellation), which
+closes the generation and so cancels the request in the engine, as a cancelled gRPC
+stream does; a streaming response also notices at its next write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from qosgate import errors
+from qosgate.auth import Tenant, TenantDirectory
+from qosgate.config import OpenAIConfig
+from qosgate.embedding import EmbeddingPlane
+from qosgate.generation import CallLabels, Finished, GenerationPlane
+from qosgate.metrics import GatewayMetrics
+from qosgate.openai_api import wire
+from qosgate.openai_api.batches import BatchCreateRequest, OpenAIBatches
+from qosgate.openai_api.errors import http_error
+from qosgate.services.generation import record_generation, to_call
+from qosgate.upstream import UpstreamPool
+
+log = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "x-priority"
+# OpenAI's service tiers that mean "no preference" unless the config maps them.
+_DEFAULT_TIERS = ("auto", "default")
+DEFAULT_PAGE_SIZE = 20
+MAX_PAGE_SIZE = 100
+# How long a stop waits for requests in flight (the gRPC server's default grace too).
+SHUTDOWN_GRACE_S = 5.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class OpenAIServer:
+    """The HTTP routes of the OpenAI API over the gateway's planes."""
+
+    def __init__(
+        self,
+        *,
+        config: OpenAIConfig,
+        directory: TenantDirectory,
+        generation: GenerationPlane,
+        embedding: EmbeddingPlane,
+        pool: UpstreamPool,
+        batches: OpenAIBatches,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._config = config
+        self._directory = directory
+        self._generation = generation
+        self._embedding = embedding
+        self._pool = pool
+        self._batches = batches
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._errors],
+            client_max_size=max(self._config.max_body_bytes, self._config.max_file_bytes) + 64 * 1024,
+        )
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/files", self.upload_file)
+        app.router.add_get("/v1/files/{file_id}", self.file)
+        app.router.add_get("/v1/files/{file_id}/content", self.file_content)
+        app.router.add_post("/v1/batches", self.create_batch)
+        app.router.add_get("/v1/batches", self.list_batches)
+        app.router.add_get("/v1/batches/{batch_id}", self.batch)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+        return app
+
+    async def start(self) -> None:
+        """Bind `config.listen` (port 0 picks a free one: see `.port`)."""
+        host, _, port = self._config.listen.rpartition(":")
+        runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host.strip("[]"), int(port))
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- edge helpers ----------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            # aiohttp's own refusals (no such route, wrong method, body too large).
+            body = {"error": {"message": e.reason, "type": "invalid_request_error", "param": None, "code": None}}
+            return web.json_response(body, status=e.status)
+        except Exception as e:  # domain errors by the table; anything else INTERNAL
+            response = http_error(e, self._known_tenant(request) if isinstance(e, errors.QuotaExceeded) else None)
+            return web.json_response(response.body, status=response.status, headers=response.headers)
+
+    def _known_tenant(self, request: web.Request) -> Tenant | None:
+        with contextlib.suppress(errors.GatewayError):
+            return self._directory.identify(_metadata(request))
+        return None
+
+    def _tenant(self, request: web.Request) -> Tenant:
+        return self._directory.identify(_metadata(request))
+
+    def _priority(self, request: web.Request, service_tier: str | None) -> str:
+        """The class asked for: `x-priority`, else the configured class of `service_tier`;
+        "" for the tenant's default."""
+        header = request.headers.get(PRIORITY_HEADER, "").strip()
+        if header or service_tier is None:
+            return header
+        klass = self._config.service_tiers.get(service_tier)
+        if klass is not None:
+            return klass
+        if service_tier in _DEFAULT_TIERS:
+            return ""
+        tiers = sorted({*self._config.service_tiers, *_DEFAULT_TIERS})
+        raise errors.InvalidArgument(f"service_tier {service_tier!r} is not offered; tiers: {', '.join(tiers)}")
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        if len(raw) > self._config.max_body_bytes:
+            raise errors.InvalidArgument(f"request body is larger than {self._config.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise errors.InvalidArgument(f"request body is not JSON: {e}") from None
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = wire.parse(wire.ChatCompletionRequest, await self._json(request))
+        return await self._generate(request, body, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = wire.parse(wire.CompletionRequest, await self._json(request))
+        return await self._generate(request, body, chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: wire.ChatCompletionRequest | wire.CompletionRequest, *, chat: bool
+    ) -> web.StreamResponse:
+        proto = body.generate_request()
+        proto.priority_class = self._priority(request, body.service_tier)
+        call = to_call(proto, stream=body.stream)
+        rpc = "openai.ChatCompletions" if chat else "openai.Completions"
+        labels = CallLabels()
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = wire.now()
+        try:
+            tenant = self._tenant(request)
+            async with contextlib.aclosing(self._generation.generate(tenant, call, labels=labels)) as items:
+                if body.stream:
+                    response = await self._stream(request, items, body, chat, completion_id, created)
+                else:
+                    texts: list[str] = []
+                    async for item in items:
+                        if isinstance(item, Finished):
+                            result = wire.completion_of(chat, completion_id, body.model, created, "".join(texts), item)
+                            response = web.json_response(result)
+                            break
+                        texts.append(item)
+                    else:
+                        raise errors.Internal("generation ended without a result")
+        except asyncio.CancelledError:
+            record_generation(self._metrics, rpc, body.model, labels, asyncio.CancelledError())
+            raise
+        except _StreamFailed as e:
+            record_generation(self._metrics, rpc, body.model, labels, e.error)
+            return e.response
+        except Exception as e:
+            record_generation(self._metrics, rpc, body.model, labels, e)
+            raise
+        record_generation(self._metrics, rpc, body.model, labels, None)
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        items: AsyncGenerator[str | Finished, None],
+        body: wire.ChatCompletionRequest | wire.CompletionRequest,
+        chat: bool,
+        completion_id: str,
+        created: int,
+    ) -> web.StreamResponse:
+        # The first item comes after authentication, admission and scheduling: waiting for
+        # it before sending headers lets those refusals keep their HTTP status (401, 429...).
+        first = await anext(items)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await response.prepare(request)
+        usage_field = body.include_usage
+
+        async def send(event: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+        if chat:
+            await send(wire.chunk(chat, completion_id, body.model, created, text="", role=True, with_usage_field=usage_field))
+        item: str | Finished = first
+        try:
+            while True:
+                if isinstance(item, Finished):
+                    reason = wire.FINISH_REASONS[item.finish_reason]
+                    await send(
+                        wire.chunk(chat, completion_id, body.model, created, finish_reason=reason, with_usage_field=usage_field)
+                    )
+                    if usage_field:
+                        await send(wire.usage_chunk(chat, completion_id, body.model, created, item))
+                    break
+                await send(wire.chunk(chat, completion_id, body.model, created, text=item, with_usage_field=usage_field))
+                item = await anext(items)
+        except errors.GatewayError as e:
+            # Headers are gone: the error travels as an event, the way OpenAI's SDKs read it.
+            await send(http_error(e).body)
+            raise _StreamFailed(e, response) from e
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # -- embeddings and models ---------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        body = wire.parse(wire.EmbeddingRequest, await self._json(request))
+        tenant = self._tenant(request)
+        proto = body.embed_request()
+        result = await self._embedding.embed(
+            tenant, proto.model, list(proto.inputs), priority_class=self._priority(request, body.service_tier) or None
+        )
+        return web.json_response(wire.embeddings_of(body.model, result, body))
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        names = [n for n in await self._pool.ready_models() if tenant.allows_model(n)]
+        return web.json_response({"object": "list", "data": [wire.model_entry(n) for n in names]})
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        name = request.match_info["model"]
+        if not tenant.allows_model(name) or name not in await self._pool.ready_models():
+            raise errors.NotFound(f"no model {name!r}")
+        return web.json_response(wire.model_entry(name))
+
+    # -- files and batches -------------------------------------------------------------------
+
+    async def upload_file(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        purpose, filename, content = await self._multipart_file(request)
+        return web.json_response(self._batches.upload(tenant, purpose=purpose, filename=filename, content=content))
+
+    async def _multipart_file(self, request: web.Request) -> tuple[str, str, bytes]:
+        if not request.content_type.startswith("multipart/"):
+            raise errors.InvalidArgument("upload the file as multipart/form-data (fields 'file' and 'purpose')")
+        purpose: str | None = None
+        filename = ""
+        content: bytes | None = None
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise errors.InvalidArgument("nested multipart bodies are not supported")
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = part.filename or "upload.jsonl"
+                chunks = bytearray()
+                while chunk := await part.read_chunk():
+                    chunks += chunk
+                    if len(chunks) > self._config.max_file_bytes:
+                        raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
+                content = bytes(chunks)
+            else:
+                await part.release()
+        if purpose is None or content is None:
+            raise errors.InvalidArgument("multipart fields 'file' and 'purpose' are required")
+        return purpose, filename, content
+
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(await self._batches.file(self._tenant(request), request.match_info["file_id"]))
+
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        content = await self._batches.file_content(self._tenant(request), request.match_info["file_id"])
+        return web.Response(body=content, content_type="application/octet-stream")
+
+    async def create_batch(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        body = wire.parse(BatchCreateRequest, await self._json(request))
+        return web.json_response(await self._batches.create(tenant, body))
+
+    async def list_batches(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        try:
+            limit = int(request.query.get("limit", DEFAULT_PAGE_SIZE))
+        except ValueError:
+            raise errors.InvalidArgument("limit must be an integer") from None
+        if not 1 <= limit <= MAX_PAGE_SIZE:
+            raise errors.InvalidArgument(f"limit must be in [1, {MAX_PAGE_SIZE}]")
+        return web.json_response(
+            await self._batches.list_batches(tenant, limit=limit, after=request.query.get("after") or None)
+        )
+
+    async def batch(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(await self._batches.get(self._tenant(request), request.match_info["batch_id"]))
+
+    async def cancel_batch(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(await self._batches.cancel(self._tenant(request), request.match_info["batch_id"]))
+
+
+class _StreamFailed(Exception):
+    """A stream that failed after its headers went out; its response is already written."""
+
+    def __init__(self, error: errors.GatewayError, response: web.StreamResponse) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.response = response
+
+
+def _metadata(request: web.Request) -> list[tuple[str, str]]:
+    """The request's headers as sent (repeated ones included), names lower-case, as the
+    tenant directory reads them."""
+    return [(name.lower(), value) for name, value in request.headers.items()]
