@@ -121,6 +121,14 @@ class GatewayThread:
     def url(self) -> str:
         return f"127.0.0.1:{self.gateway.port}"
 
+    def wait_ready(self, timeout: float = 30.0) -> GatewayThread:
+        """Wait until the gateway sees a ready upstream."""
+        deadline = time.monotonic() + timeout
+        while not self.gateway.pool.live:
+            assert time.monotonic() < deadline, "gateway never saw a ready upstream"
+            time.sleep(0.1)
+        return self
+
     @property
     def openai_url(self) -> str:
         """Base URL of the OpenAI API, as the SDKs take it."""

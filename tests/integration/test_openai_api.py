@@ -49,11 +49,7 @@ def gateway(triton: LocalTriton) -> Iterator[GatewayThread]:
         ],
     )
     with GatewayThread(config) as thread:
-        deadline = time.monotonic() + 30
-        while not thread.gateway.pool.ready:
-            assert time.monotonic() < deadline, "gateway never saw a ready upstream"
-            time.sleep(0.1)
-        yield thread
+        yield thread.wait_ready()
 
 
 def client(gateway: GatewayThread, key: str = USER_KEY, **options: object) -> openai.OpenAI:

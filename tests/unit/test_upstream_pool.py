@@ -87,6 +87,18 @@ def test_a_model_ready_nowhere_still_goes_to_a_live_upstream_for_tritons_answer(
         assert {pool.pick("unloaded").name for _ in range(4)} == {"b"}
 
 
+def test_ready_models_are_those_of_live_upstreams() -> None:
+    pool = pool_of("a", "b", "c")
+    a, b, c = pool.upstreams
+    a.live = b.live = True
+    a.ready_models = frozenset({"m"})
+    b.ready_models = None  # unknown: lists nothing
+    c.ready_models = frozenset({"dead"})  # not live
+    assert pool.ready_models() == ["m"]
+    c.live = True
+    assert pool.ready_models() == ["dead", "m"]
+
+
 def test_an_older_probe_never_overwrites_a_newer_ones_answer() -> None:
     upstream = pool_of("a").upstreams[0]
     slow, fast = upstream.probe_started(), upstream.probe_started()

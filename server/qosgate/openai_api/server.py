@@ -260,13 +260,13 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
-        names = [n for n in await self._pool.ready_models() if tenant.allows_model(n)]
+        names = [n for n in self._pool.ready_models() if tenant.allows_model(n)]
         return web.json_response({"object": "list", "data": [wire.model_entry(n) for n in names]})
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         name = request.match_info["model"]
-        if not tenant.allows_model(name) or name not in await self._pool.ready_models():
+        if not tenant.allows_model(name) or name not in self._pool.ready_models():
             raise errors.NotFound(f"no model {name!r}")
         return web.json_response(wire.model_entry(name))
 

@@ -225,17 +225,10 @@ class UpstreamPool:
             raise Unavailable("no live Triton upstream", retry_after_s=self._check_interval_s)
         return best
 
-    async def ready_models(self) -> list[str]:
-        """Names of the models ready at a healthy upstream (its RepositoryIndex), sorted."""
-        upstream = self.pick()
-        request = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
-        try:
-            raw = await upstream.unary("RepositoryIndex")(request, timeout=self._check_timeout_s * 5)
-        except grpc.aio.AioRpcError as e:
-            self.recheck(upstream)
-            raise Unavailable(f"Triton did not list its models: {e.code().name}") from e
-        index = service_pb2.RepositoryIndexResponse.FromString(raw)
-        return sorted({m.name for m in index.models if m.state == "READY"})
+    def ready_models(self) -> list[str]:
+        """Models ready at a live upstream at its last check, sorted; an upstream whose
+        index could not be read adds none."""
+        return sorted({m for u in self.upstreams if u.live and u.ready_models for m in u.ready_models})
 
     def recheck(self, upstream: Upstream) -> None:
         """Check `upstream` now instead of at the next poll: a call saw UNAVAILABLE from it,
