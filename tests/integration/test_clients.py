@@ -89,12 +89,17 @@ def test_cli_reports_code_and_message_on_failure(gateway: GatewayThread) -> None
 
 def test_node_client_suite_streams_through_the_gateway(gateway: GatewayThread) -> None:
     require_model("smollm2")
+    require_model("minilm")  # the openai package's embeddings
     node = shutil.which("node")
     assert node is not None, "node is not on PATH: install Node.js 20 (README, Requirements)"
-    assert (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
-        "Node client packages missing: run `make node-deps`"
-    )
-    env = {**os.environ, "QOSGATE_TARGET": gateway.url, "QOSGATE_API_KEY": ACME_KEY}
+    for package in ("@grpc/grpc-js", "openai"):
+        assert (NODE_CLIENT / "node_modules" / package).is_dir(), "Node client packages missing: run `make node-deps`"
+    env = {
+        **os.environ,
+        "QOSGATE_TARGET": gateway.url,
+        "QOSGATE_OPENAI_BASE_URL": gateway.openai_url,
+        "QOSGATE_API_KEY": ACME_KEY,
+    }
     done = subprocess.run(
         [node, "--test"],
         check=False,
