@@ -151,6 +151,7 @@ def test_gateway_readiness_is_the_grpc_health_service_on_its_listen_port() -> No
     assert container["readinessProbe"]["grpc"]["port"] == listen_port
     assert container_ports(gateway)["grpc"] == listen_port
     assert container_ports(gateway)["metrics"] == int(config.metrics_listen.rsplit(":", 1)[1])
+    assert container_ports(gateway)["http"] == int(config.openai.listen.rsplit(":", 1)[1])
     assert config.listen.startswith("0.0.0.0:")  # reachable from the Service
 
 
