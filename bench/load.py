@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+import httpx
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
@@ -203,6 +204,50 @@ class Target:
             outcome.code = exc.code().name
         finally:
             call.cancel()
+        outcome.end = self.now()
+        return outcome
+
+
+class OpenAITarget:
+    """The gateway's OpenAI-compatible HTTP API (`base_url` like http://host:port/v1), on
+    the same run clock as the gRPC targets."""
+
+    def __init__(self, base_url: str, epoch: float | None = None) -> None:
+        self.base_url = base_url
+        self.epoch = time.monotonic() if epoch is None else epoch
+        # One pooled client: keep-alive connections, as an SDK would reuse them.
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+    def now(self) -> float:
+        return time.monotonic() - self.epoch
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def completion_stream(self, caller: Caller, body: dict[str, object], timeout: float) -> Outcome:
+        """A streamed /v1/completions: a token time per text chunk, the usage at the end."""
+        start = self.now()
+        outcome = Outcome(caller.label, start, start, "OK")
+        headers = dict(caller.metadata())
+        try:
+            async with self.client.stream("POST", f"{self.base_url}/completions", json=body,
+                                          headers=headers, timeout=timeout) as response:
+                if response.status_code != 200:
+                    outcome.code = f"HTTP_{response.status_code}"
+                else:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[len("data: "):])
+                        if chunk.get("usage"):
+                            outcome.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                            outcome.tokens = chunk["usage"]["total_tokens"]
+                        elif "error" in chunk:
+                            outcome.code = "STREAM_ERROR"
+                        elif chunk["choices"] and chunk["choices"][0]["text"]:
+                            outcome.token_times.append(self.now())
+        except httpx.HTTPError as exc:
+            outcome.code = type(exc).__name__
         outcome.end = self.now()
         return outcome
 

@@ -150,14 +150,15 @@ def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib
     return conf
 
 
-def gateway_config(*, listen: str, metrics_listen: str, upstream: str, upstream_metrics: str,
-                   tenants: Sequence[Mapping[str, Any]],
+def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str, upstream: str,
+                   upstream_metrics: str, tenants: Sequence[Mapping[str, Any]],
                    models: Mapping[str, Mapping[str, Any]] | None = None,
                    scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run."""
     doc: dict[str, Any] = {
         "listen": listen,
         "metrics_listen": metrics_listen,
+        "openai": {"listen": openai_listen},
         "upstreams": [{"name": "local", "url": upstream, "metrics_url": upstream_metrics}],
         "tenants": [dict(t) for t in tenants],
     }
@@ -171,8 +172,9 @@ def gateway_config(*, listen: str, metrics_listen: str, upstream: str, upstream_
 class Stack:
     """Triton plus the optional hops in front of it, all stopped on exit.
 
-    `triton_url`, `nginx_url` and `gateway_url` are `host:port` gRPC targets; the hops
-    start only when asked for.
+    `triton_url`, `nginx_url` and `gateway_url` are `host:port` gRPC targets,
+    `gateway_openai_url` the gateway's OpenAI API base URL; the hops start only when asked
+    for.
     """
 
     def __init__(self, *, models: Sequence[str], model_repository: pathlib.Path | None = None,
@@ -188,6 +190,7 @@ class Stack:
         self.gateway: GroupProcess | None = None
         self.nginx_url = ""
         self.gateway_url = ""
+        self.gateway_openai_url = ""
         self.gateway_metrics_url = ""
         self._exit = contextlib.ExitStack()
 
@@ -253,9 +256,10 @@ class Stack:
         assert self.triton is not None
         if self.gateway is not None:
             self.gateway.stop()
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port, http_port = free_port(), free_port(), free_port()
         doc = gateway_config(
             listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{metrics_port}",
+            openai_listen=f"{LOOPBACK}:{http_port}",
             upstream=self.triton_url, upstream_metrics=self.triton.ports.metrics_url,
             tenants=tenants, models=models, scheduler=scheduler,
         )
@@ -272,6 +276,7 @@ class Stack:
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; log:\n{self.gateway.log_tail()}") from exc
         self.gateway_url = f"{LOOPBACK}:{port}"
+        self.gateway_openai_url = f"http://{LOOPBACK}:{http_port}/v1"
         return self.gateway_url
 
 

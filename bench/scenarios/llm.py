@@ -1,6 +1,7 @@
 """llm: streaming generation on smollm2 at several concurrencies, straight at Triton and
-through qosgate (KServe ModelStreamInfer on both, so the client is the same): output
-tokens/s, time to first token and inter-token latency.
+through qosgate (KServe ModelStreamInfer on both, so the client is the same), and through
+qosgate's OpenAI-compatible HTTP API (streamed /v1/completions): output tokens/s, time to
+first token and inter-token latency.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 MODEL = "smollm2"
 MAX_TOKENS = 32
 API_KEY = "bench-llm-key"
+PROMPT = "Explain what a load balancer does, in detail."
+HTTP = "qosgate HTTP"
 TENANTS = [{"name": "llm", "api_keys": [{"key": API_KEY}]}]
 
 
@@ -56,18 +59,31 @@ class Point:
                 "failed": sum(not o.ok for o in self.outcomes)}
 
 
-async def measure(url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
-    target = load.Target(url)
-    request = load.generation_request(MODEL, "Explain what a load balancer does, in detail.", MAX_TOKENS)
+async def _closed_loop(target: load.Target | load.OpenAITarget, send: load.Send, name: str,
+                       concurrency: int, seconds: float) -> Point:
     try:
         begin = target.now()
-        outcomes = await load.closed_loop(lambda: target.stream(caller, request, 120.0),
-                                          concurrency, begin + seconds, target.now)
+        outcomes = await load.closed_loop(send, concurrency, begin + seconds, target.now)
     finally:
         await target.close()
     point = Point(name, concurrency, seconds, outcomes, (begin, begin + seconds))
     log.info("%s", point.row())
     return point
+
+
+async def measure(url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
+    target = load.Target(url)
+    request = load.generation_request(MODEL, PROMPT, MAX_TOKENS)
+    return await _closed_loop(target, lambda: target.stream(caller, request, 120.0), name, concurrency, seconds)
+
+
+async def measure_http(base_url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
+    """The same load through the OpenAI API. It has no ignore_eos: a stream may end before
+    MAX_TOKENS, which the token counts show (this prompt runs long under greedy decoding)."""
+    target = load.OpenAITarget(base_url)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return await _closed_loop(target, lambda: target.completion_stream(caller, body, 120.0), name, concurrency, seconds)
 
 
 def profile_gateway(stack: Stack, caller: load.Caller, concurrency: int, seconds: float) -> profile.Profile:
@@ -84,7 +100,9 @@ def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 8, 32], [1, 2, 4, 8, 16, 32])
     seconds = ctx.pick(10.0, 30.0)
     notes = [f"{MAX_TOKENS}-token streams (ignore_eos, greedy), closed loop, {seconds:.0f} s per point; "
-             "tokens/s counts tokens received inside the window; qosgate: smollm2 dispatch window 64."]
+             "tokens/s counts tokens received inside the window; qosgate: smollm2 dispatch window 64.",
+             f"{HTTP}: the same prompt as streamed /v1/completions through the OpenAI API (no "
+             "ignore_eos there: a stream may end early, which its tokens/s would show)."]
     points: list[Point] = []
     found: profile.Profile | None = None
     with checked(Stack(models=[MODEL])) as stack:
@@ -92,6 +110,7 @@ def run(ctx: RunContext) -> ScenarioResult:
         if gateway_available():
             url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
             targets.append(("qosgate", url, load.Caller("qosgate", api_key=API_KEY)))
+            targets.append((HTTP, stack.gateway_openai_url, load.Caller(HTTP, api_key=API_KEY)))
         else:
             notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
         # The aim's level runs twice, the second time in reverse order (A B B A), so a drift
@@ -100,9 +119,10 @@ def run(ctx: RunContext) -> ScenarioResult:
         for concurrency, ordered in rounds:
             for name, url, caller in ordered:
                 stack.wait_idle(MODEL)
-                points.append(asyncio.run(measure(url, name, caller, concurrency, seconds)))
+                run_point = measure_http if name == HTTP else measure
+                points.append(asyncio.run(run_point(url, name, caller, concurrency, seconds)))
         if stack.gateway is not None and profile.py_spy() is not None:
-            found = profile_gateway(stack, targets[-1][2], levels[-1], ctx.pick(8.0, 15.0))
+            found = profile_gateway(stack, targets[1][2], levels[-1], ctx.pick(8.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples during an extra run at "
                          f"concurrency {levels[-1]}; raw stacks in llm-gateway.pyspy.txt.")
     top = levels[-1]
@@ -119,6 +139,14 @@ def run(ctx: RunContext) -> ScenarioResult:
                 for name, runs in (("direct", direct), ("qosgate", via))}
         figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", ttft["qosgate"], "ms",
                               reference=f"direct {ttft['direct']:.0f} ms"))
+    http = [p for p in points if p.target == HTTP and p.concurrency == top]
+    if http:
+        http_tps = statistics.fmean(p.tokens_per_s() for p in http)
+        figures.append(Figure(f"tokens/s through qosgate's OpenAI HTTP API / direct, concurrency {top}",
+                              100 * http_tps / direct_tps, "%",
+                              reference=f"HTTP {http_tps:.1f} tokens/s, direct {direct_tps:.1f}"))
+        figures.append(Figure(f"TTFT p50 through qosgate's OpenAI HTTP API, concurrency {top}",
+                              percentile([t for p in http for t in p.ttft_ms()], 50), "ms"))
     tables: dict[str, list[dict[str, object]]] = {"streams": [p.row() for p in points]}
     if found is not None:
         tables.update(found.tables())
@@ -128,7 +156,7 @@ def run(ctx: RunContext) -> ScenarioResult:
 
 def draw(points: list[Point], path: pathlib.Path) -> None:
     fig, (tps, ttft, itl) = plots.panels(3)
-    for target in ("direct", "qosgate"):
+    for target in ("direct", "qosgate", HTTP):
         firsts = {p.concurrency: p for p in reversed(points) if p.target == target}
         mine = [firsts[c] for c in sorted(firsts)]
         if not mine:
