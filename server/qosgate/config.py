@@ -320,6 +320,36 @@ class SchedulerConfig(_Frozen):
     """Cost of an output token against a prompt token in an LLM request's cost (VTC's w)."""
 
 
+class RoutingConfig(_Frozen):
+    """How one model's calls are spread over the upstreams (README: "Routing")."""
+
+    policy: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    """`least_loaded`: the upstream with the fewest calls of the model in flight.
+    `prefix_affinity`: calls whose prompts begin alike (or that carry one session id) go
+    to one upstream, where the engine's prefix cache has their prefix, within the load
+    bound. Generation API and OpenAI routes; KServe calls by session header only."""
+    prefix_bytes: int = Field(default=1024, ge=1)
+    """How many leading bytes of the rendered prompt make the affinity key: about the
+    length of the shared part (system prompt, template); longer keys reach into the
+    per-request text and scatter calls that share a prefix."""
+    load_factor: float = Field(default=1.25, ge=1)
+    """No upstream takes a call that would bring its calls of this model in flight above
+    load_factor x the average over the candidates (rounded up); such a call goes to the
+    next upstream on the key's ring. 1: strict balance, larger: more affinity."""
+    max_engine_waiting: int | None = Field(default=None, ge=0)
+    """An upstream whose engine has more requests waiting than this for the model (read
+    from its `metrics_url`) is saturated and passed over; unset: engine queues ignored."""
+    session_header: str | None = Field(default=None, min_length=1)
+    """Request header whose value, when present, is the affinity key instead of the
+    prompt (e.g. `x-session-id`): all calls of one session go to one upstream."""
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_case(cls, value: str | None) -> str | None:
+        # gRPC metadata keys and our parsed HTTP headers are lower case.
+        return None if value is None else value.lower()
+
+
 class ModelPolicy(_Frozen):
     """How the gateway feeds one Triton model."""
 
@@ -355,6 +385,8 @@ class ModelPolicy(_Frozen):
     """Generation API only: the model's tokenizer (a tokenizer.json, its folder, or a
     Hugging Face model id in the local cache) for exact prompt token counts; unset: an
     estimate that leans high (the vLLM adapter then takes the engine's count)."""
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    """Which upstream gets each call of this model."""
 
     @field_validator("dispatch_window", mode="before")
     @classmethod

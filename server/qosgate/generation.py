@@ -85,15 +85,26 @@ class Finished:
     timing: Timing
 
 
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What a generation's upstream may be chosen by (`routing: prefix_affinity`)."""
+
+    prompt: str
+    """The rendered prompt (chat: the template's rendering of every message)."""
+    session: str | None = None
+    """The caller's session id, from the model's `session_header`."""
+
+
 class EngineStreams(Protocol):
     """Opens one request's response stream at Triton (ModelStreamInfer).
 
     Closing the iterator early (the caller went away) must cancel the upstream call, so
     Triton cancels the request in the engine. Failures are raised as GatewayErrors.
+    `route` is what the model's routing policy may key the choice of upstream on.
     """
 
     def open(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, route: RouteHint
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]: ...
 
 
@@ -136,9 +147,12 @@ class GenerationPlane:
         *,
         deadline: float | None = None,
         labels: CallLabels | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[str | Finished, None]:
         """Text deltas, then one Finished, for `tenant` (identified by the edge, or the
-        job's tenant when the batch runner calls). `deadline` is on the plane's clock.
+        job's tenant when the batch runner calls). `deadline` is on the plane's clock;
+        `headers` are the call's request headers, where the model's routing
+        `session_header` is looked up.
 
         Close the iterator when done with it (`contextlib.aclosing`): that is what
         releases the request's slot and quotas when the caller stops early.
@@ -150,6 +164,8 @@ class GenerationPlane:
         klass = labels.klass = self._directory.resolve_class(tenant, call.priority_class or None)
         policy = self._config.model_policy(call.model)
         request = self._request(call, policy)
+        header = policy.routing.session_header
+        route = RouteHint(request.prompt, headers.get(header) if headers and header else None)
         prompt_estimate = self._prompt_counters.get(call.model, estimate_prompt_tokens)(request.prompt)
         cost = prompt_estimate + request.sampling.max_tokens
 
@@ -189,7 +205,7 @@ class GenerationPlane:
                 # aclosing: when our caller leaves mid-stream, the engine stream must be
                 # closed now (cancelling the upstream call), not whenever it is collected.
                 try:
-                    async with contextlib.aclosing(self._engine.open(upstream, timeout_s)) as stream:
+                    async with contextlib.aclosing(self._engine.open(upstream, timeout_s, route)) as stream:
                         async for response in stream:
                             responses += 1
                             dispatch.responded()

@@ -22,6 +22,7 @@ from qosgate.config import (
     OpenAIConfig,
     QuotaStoreConfig,
     ResourceLimits,
+    RoutingConfig,
     SchedulerConfig,
     TenantConfig,
     UpstreamConfig,
@@ -231,6 +232,7 @@ def test_readme_documents_every_config_key() -> None:
     keys |= {f"api_keys[].{name}" for name in ApiKeyConfig.model_fields}
     keys |= {f"client_certs[].{name}" for name in ClientCertConfig.model_fields}
     keys |= {f"tls.{name}" for model in (ListenerTlsConfig, UpstreamTlsConfig) for name in model.model_fields}
+    keys |= {f"routing.{name}" for name in RoutingConfig.model_fields}
     assert keys - documented == set()
 
 

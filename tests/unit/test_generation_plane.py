@@ -16,7 +16,7 @@ from qosgate.adapters.domain import ChatMessage, FinishReason, Role
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import parse_config
 from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
-from qosgate.generation import Finished, GenerationCall, GenerationPlane
+from qosgate.generation import Finished, GenerationCall, GenerationPlane, RouteHint
 from qosgate.quota import Admission, InMemoryQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.scheduler import Scheduler
@@ -49,14 +49,16 @@ class FakeEngine:
         self.responses = responses
         self.fail_first = fail_first
         self.requests: list[service_pb2.ModelInferRequest] = []
+        self.routes: list[RouteHint] = []
         self.closed = 0
         self.hold = asyncio.Event()
         self.hold.set()
 
     async def open(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, route: RouteHint
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
         self.requests.append(request)
+        self.routes.append(route)
         try:
             if self.fail_first is not None:
                 failure, self.fail_first = self.fail_first, None
@@ -78,7 +80,12 @@ def _plane(
     config = parse_config(
         {
             "models": {
-                "smollm2": {"dispatch_window": 1, "default_max_tokens": 4, "default_temperature": 0.0}
+                "smollm2": {
+                    "dispatch_window": 1,
+                    "default_max_tokens": 4,
+                    "default_temperature": 0.0,
+                    "routing": {"policy": "prefix_affinity", "session_header": "X-Session-Id"},
+                }
             },
             "tenants": [
                 {
@@ -146,6 +153,19 @@ async def test_chat_is_rendered_with_the_template() -> None:
     await _collect(plane, GenerationCall(model="smollm2", messages=(ChatMessage(Role.USER, "Hi"),)))
     text_input = engine.requests[0].raw_input_contents[0][4:].decode()
     assert text_input == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_the_route_hint_is_the_rendered_prompt_and_the_session_header() -> None:
+    engine = FakeEngine(STORY)
+    plane, _, _ = _plane(engine)
+    system = ChatMessage(Role.SYSTEM, "You answer for acme.")
+    call = GenerationCall(model="smollm2", messages=(system, ChatMessage(Role.USER, "Hi")))
+    async with contextlib.aclosing(plane.generate(_acme(plane), call, headers={"x-session-id": "s-7"})) as items:
+        [item async for item in items]
+    await _collect(plane, call)
+    rendered = "<|im_start|>system\nYou answer for acme.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    assert [r.session for r in engine.routes] == ["s-7", None]
+    assert all(r.prompt.startswith(rendered) for r in engine.routes)
 
 
 async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -> None:

@@ -161,7 +161,9 @@ class GenerationServicer:
         try:
             call = to_call(request, stream=False)
             async with contextlib.aclosing(
-                self._plane.generate(tenant, call, deadline=self._deadline(context), labels=labels)
+                self._plane.generate(
+                    tenant, call, deadline=self._deadline(context), labels=labels, headers=text_headers(context)
+                )
             ) as items:
                 response = await collect_response(items)
         except BaseException as e:  # recorded by cause; the edge answers it
@@ -180,7 +182,9 @@ class GenerationServicer:
         try:
             call = to_call(request, stream=True)
             async with contextlib.aclosing(
-                self._plane.generate(tenant, call, deadline=self._deadline(context), labels=labels)
+                self._plane.generate(
+                    tenant, call, deadline=self._deadline(context), labels=labels, headers=text_headers(context)
+                )
             ) as items:
                 async for item in items:
                     if isinstance(item, Finished):

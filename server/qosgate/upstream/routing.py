@@ -41,6 +41,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from qosgate.config import RoutingConfig
+
 # Points per replica on the ring: with 64, each of 2-8 replicas owns within about 20% of
 # its fair share of the key space, and building the ring stays cheap.
 _POINTS_PER_REPLICA = 64
@@ -88,6 +90,13 @@ def affinity_key(prompt: str, prefix_bytes: int, session: str | None = None) -> 
     if session:
         return b"session\0" + session.encode()
     return b"prefix\0" + prompt.encode()[:prefix_bytes]
+
+
+def routing_key(config: RoutingConfig, prompt: str, session: str | None) -> bytes | None:
+    """The key a call is routed by under `config`: None under `least_loaded`."""
+    if config.policy != "prefix_affinity":
+        return None
+    return affinity_key(prompt, config.prefix_bytes, session)
 
 
 def least_loaded(candidates: Sequence[Candidate], turn: int) -> int:
