@@ -95,10 +95,14 @@ class Gateway:
             check_interval_s=health_check_interval_s,
             max_request_bytes=config.limits.max_request_bytes,
             max_response_bytes=config.limits.max_response_bytes,
+            routing=lambda model: config.model_policy(model).routing,
+            metrics=self.metrics,
         )
         self.scheduler = Scheduler(config, self.clock)
         self._engine_load = EngineLoadReader(
-            (u.metrics_url for u in config.upstreams if u.metrics_url), self.scheduler.engine_load
+            ((u.name, u.metrics_url) for u in config.upstreams if u.metrics_url),
+            self.scheduler.engine_load,
+            self.pool.engine_load,
         )
         self.directory = TenantDirectory(config)
         # Redis when several gateway replicas must enforce one set of limits together.

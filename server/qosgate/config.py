@@ -324,7 +324,7 @@ class RoutingConfig(_Frozen):
     """How one model's calls are spread over the upstreams (README: "Routing")."""
 
     policy: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
-    """`least_loaded`: the upstream with the fewest calls of the model in flight.
+    """`least_loaded`: the upstream with the fewest calls in flight.
     `prefix_affinity`: calls whose prompts begin alike (or that carry one session id) go
     to one upstream, where the engine's prefix cache has their prefix, within the load
     bound. Generation API and OpenAI routes; KServe calls by session header only."""
@@ -333,8 +333,8 @@ class RoutingConfig(_Frozen):
     length of the shared part (system prompt, template); longer keys reach into the
     per-request text and scatter calls that share a prefix."""
     load_factor: float = Field(default=1.25, ge=1)
-    """No upstream takes a call that would bring its calls of this model in flight above
-    load_factor x the average over the candidates (rounded up); such a call goes to the
+    """No upstream takes a call that would bring its calls in flight above load_factor x
+    the average over the candidates (rounded up); such a call goes to the
     next upstream on the key's ring. 1: strict balance, larger: more affinity."""
     max_engine_waiting: int | None = Field(default=None, ge=0)
     """An upstream whose engine has more requests waiting than this for the model (read

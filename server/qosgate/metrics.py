@@ -136,6 +136,21 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._routed = Counter(
+            "qosgate_routed",
+            "Calls sent to an upstream, by model, upstream and how it was chosen (least_loaded; "
+            "prefix_affinity: affinity, spilled past the load bound, fallback to least loaded)",
+            ("model", "upstream", "outcome"),
+            registry=self.registry,
+        )
+        self._failovers = Counter(
+            "qosgate_failovers",
+            "Calls whose upstream failed before any response (UNAVAILABLE, connection lost), "
+            "by model, the upstream that failed and the result: retried on another upstream, "
+            "or no_other_upstream (answered UNAVAILABLE)",
+            ("model", "upstream", "result"),
+            registry=self.registry,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
@@ -174,6 +189,12 @@ class GatewayMetrics:
 
     def upstream_latency(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self._upstream_latency, (upstream, self.model_label(model))).observe(seconds)
+
+    def routed(self, model: str, upstream: str, outcome: str) -> None:
+        self._child(self._routed, (self.model_label(model), upstream, outcome)).inc()
+
+    def failover(self, model: str, upstream: str, result: str) -> None:
+        self._child(self._failovers, (self.model_label(model), upstream, result)).inc()
 
     def serve(self, listen: str) -> MetricsEndpoint:
         """Start the /metrics HTTP server on `host:port` (port 0: any free port)."""

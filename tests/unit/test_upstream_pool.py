@@ -1,7 +1,8 @@
 """Which upstream gets a call, and how the pool learns each one's health.
 
 Choice: live upstreams only; for a model, those that have it ready first; then the fewest
-in flight; round-robin among equals. Health: ServerLive and the ready models of the
+in flight, round-robin among equals, or prefix affinity by the model's routing; failover
+once to another upstream. Health: ServerLive and the ready models of the
 repository index, checked against an in-process fake Triton over a real gRPC channel.
 """
 
@@ -15,8 +16,10 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from qosgate.config import UpstreamConfig
+from qosgate.config import RoutingConfig, UpstreamConfig
 from qosgate.errors import Unavailable
+from qosgate.metrics import GatewayMetrics
+from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
 
 
@@ -217,3 +220,70 @@ async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -
         async with fake_triton(triton, port):  # and comes back on the same port
             await until(lambda: changes == [False, True])
             assert pool.pick("identity") is pool.upstreams[0]
+
+def affinity_pool(*names: str, metrics: GatewayMetrics | None = None, **routing: object) -> UpstreamPool:
+    config = RoutingConfig.model_validate({"policy": "prefix_affinity", **routing})
+    pool = UpstreamPool(
+        [UpstreamConfig(name=n, url=f"127.0.0.1:{i + 1}") for i, n in enumerate(names)],
+        routing=lambda _model: config,
+        metrics=metrics,
+    )
+    for upstream in pool.upstreams:
+        upstream.live = True
+    return pool
+
+
+def test_calls_with_one_prefix_go_to_one_upstream() -> None:
+    metrics = GatewayMetrics(known_models=["llm"])
+    pool = affinity_pool("a", "b", "c", metrics=metrics, prefix_bytes=16)
+    key = pool.key("llm", prompt="You are the assistant of acme. " + "question")
+    assert key == pool.key("llm", prompt="You are the assistant of acme. " + "another one")
+    chosen = {pool.pick("llm", key=key).name for _ in range(5)}
+    assert len(chosen) == 1
+    upstream = next(u for u in pool.upstreams if u.name in chosen)
+    assert metrics.registry.get_sample_value(
+        "qosgate_routed_total", {"model": "llm", "upstream": upstream.name, "outcome": "affinity"}
+    ) == 5
+
+
+def test_least_loaded_models_get_no_key() -> None:
+    pool = pool_of("a", "b")
+    assert pool.key("llm", prompt="anything", session="s") is None
+    assert affinity_pool("a").key("identity") is None  # neither a prompt nor a session
+
+
+def test_the_session_header_keys_calls_of_one_session_together() -> None:
+    pool = affinity_pool("a", "b", "c", session_header="X-Session")
+    assert pool.session_header("llm") == "x-session"
+    key = pool.key("llm", prompt="p1", session="s-1")
+    assert key == pool.key("llm", prompt="p2", session="s-1")
+
+
+def test_a_saturated_engine_is_passed_over() -> None:
+    pool = affinity_pool("a", "b", max_engine_waiting=2)
+    key = pool.key("llm", prompt="prefix")
+    first = pool.pick("llm", key=key)
+    pool.engine_load(first.name, "llm", EngineLoad(waiting=5, kv_cache_usage=None))
+    assert pool.pick("llm", key=key) is not first
+
+
+async def test_failover_goes_to_another_upstream_once_for_unavailable_only() -> None:
+    metrics = GatewayMetrics(known_models=["llm"])
+    pool = affinity_pool("a", "b", metrics=metrics)
+    for upstream in pool.upstreams:
+        upstream.open()  # the failed one is rechecked (and found down: nothing listens)
+    try:
+        a, b = pool.upstreams
+        assert pool.failover("llm", a, grpc.StatusCode.INVALID_ARGUMENT, key=None) is None
+        assert pool.failover("llm", a, grpc.StatusCode.UNAVAILABLE, key=b"k") is b
+        b.live = False
+        assert pool.failover("llm", a, grpc.StatusCode.UNAVAILABLE, key=None) is None
+        counted = {
+            result: metrics.registry.get_sample_value(
+                "qosgate_failovers_total", {"model": "llm", "upstream": "a", "result": result}
+            )
+            for result in ("retried", "no_other_upstream")
+        }
+        assert counted == {"retried": 1, "no_other_upstream": 1}
+    finally:
+        await pool.close()

@@ -56,12 +56,18 @@ class PoolEngineInfer:
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None
     ) -> service_pb2.ModelInferResponse:
-        upstream = self._pool.pick(request.model_name)
-        with upstream.lease():
-            try:
-                raw = await upstream.unary("ModelInfer")(
-                    request.SerializeToString(), timeout=timeout_s
-                )
-            except grpc.aio.AioRpcError as e:
-                raise upstream_error(self._pool, upstream, e) from e
-        return service_pb2.ModelInferResponse.FromString(raw)
+        model, payload = request.model_name, request.SerializeToString()
+        upstream = self._pool.pick(model)
+        retried = False
+        while True:
+            with upstream.lease():
+                try:
+                    raw = await upstream.unary("ModelInfer")(payload, timeout=timeout_s)
+                    return service_pb2.ModelInferResponse.FromString(raw)
+                except grpc.aio.AioRpcError as e:
+                    error = e
+            # Failover once at most: the retry's own failure is the answer.
+            other = None if retried else self._pool.failover(model, upstream, error.code(), key=None)
+            if other is None:
+                raise upstream_error(self._pool, upstream, error) from error
+            upstream, retried = other, True

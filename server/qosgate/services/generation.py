@@ -17,9 +17,10 @@ from tritonclient.grpc import service_pb2
 from qosgate import errors
 from qosgate.adapters.domain import ChatMessage, FinishReason, Role
 from qosgate.auth import Tenant
-from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationPlane
+from qosgate.generation import CallLabels, Finished, GenerationCall, GenerationPlane, RouteHint
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
+from qosgate.services.headers import text_headers
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.v1 import common_pb2, generation_pb2
 
@@ -206,23 +207,36 @@ class PoolEngineStreams:
         self._pool = pool
 
     async def open(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, route: RouteHint
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
-        upstream = self._pool.pick(request.model_name)
-        with upstream.lease():
-            call = upstream.stream()(timeout=timeout_s)
-            try:
-                await call.write(request.SerializeToString())
-                async for raw in call:
-                    message = service_pb2.ModelStreamInferResponse.FromString(raw)
-                    if message.error_message:
-                        # Triton reports a request's own failure in the stream, without a
-                        # code: the model refused this request (bad sampling, prompt too long).
-                        raise errors.InvalidArgument(f"model {request.model_name!r}: {message.error_message}")
-                    yield message.infer_response
-            except grpc.aio.AioRpcError as e:
-                raise upstream_error(self._pool, upstream, e) from e
-            finally:
-                # Early close (the caller cancelled, or the final response was read):
-                # cancelling the call makes Triton cancel the request in the engine.
-                call.cancel()
+        """The request's responses; if its upstream fails UNAVAILABLE before the first one,
+        the request goes once more to another upstream (pool.failover), never after."""
+        model, payload = request.model_name, request.SerializeToString()
+        key = self._pool.key(model, prompt=route.prompt, session=route.session)
+        upstream = self._pool.pick(model, key=key)
+        retried = False
+        while True:
+            responded = False
+            with upstream.lease():
+                call = upstream.stream()(timeout=timeout_s)
+                try:
+                    await call.write(payload)
+                    async for raw in call:
+                        responded = True
+                        message = service_pb2.ModelStreamInferResponse.FromString(raw)
+                        if message.error_message:
+                            # Triton reports a request's own failure in the stream, without a
+                            # code: the model refused this request (bad sampling, prompt too long).
+                            raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
+                        yield message.infer_response
+                    return
+                except grpc.aio.AioRpcError as e:
+                    error = e
+                finally:
+                    # Early close (the caller cancelled, or the final response was read):
+                    # cancelling the call makes Triton cancel the request in the engine.
+                    call.cancel()
+            other = None if retried or responded else self._pool.failover(model, upstream, error.code(), key=key)
+            if other is None:
+                raise upstream_error(self._pool, upstream, error) from error
+            upstream, retried = other, True

@@ -260,19 +260,9 @@ class KServeService:
             ) as dispatch:
                 self._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
                 fragment, timeout = self._dispatch_fragment(dispatch.priority_level, deadline)
-                upstream = self._pool.pick(model)
-                with upstream.lease():
-                    started = time.perf_counter()
-                    try:
-                        response = await upstream.unary("ModelInfer")(request + fragment, timeout=timeout)
-                        dispatch.responded()
-                        self._metrics.model_served(model)
-                    except grpc.aio.AioRpcError as e:
-                        outcome.code = e.code().name
-                        await self._pass_through(upstream, e, context)
-                        raise
-                    finally:
-                        self._metrics.upstream_latency(upstream.name, model, time.perf_counter() - started)
+                response = await self._forward_infer(model, request + fragment, timeout, metadata, context, outcome)
+                dispatch.responded()
+                self._metrics.model_served(model)
         finally:
             await verdict.permit.release()
         self._record(outcome, None)
@@ -286,6 +276,38 @@ class KServeService:
         if not head.model_name:
             raise errors.InvalidArgument("ModelInferRequest has no model_name")
         return head
+
+    async def _forward_infer(
+        self,
+        model: str,
+        request: bytes,
+        timeout: float | None,
+        metadata: dict[str, str],
+        context: grpc.aio.ServicerContext,
+        outcome: _Outcome,
+    ) -> bytes:
+        """ModelInfer at the upstream the model's routing picks (by the session header under
+        prefix_affinity: the gateway does not read tensors); once more on another upstream
+        if the first fails UNAVAILABLE (pool.failover)."""
+        header = self._pool.session_header(model)
+        key = self._pool.key(model, session=metadata.get(header)) if header else None
+        upstream = self._pool.pick(model, key=key)
+        retried = False
+        while True:
+            with upstream.lease():
+                started = time.perf_counter()
+                try:
+                    return await upstream.unary("ModelInfer")(request, timeout=timeout)
+                except grpc.aio.AioRpcError as e:
+                    error = e
+                finally:
+                    self._metrics.upstream_latency(upstream.name, model, time.perf_counter() - started)
+            other = None if retried else self._pool.failover(model, upstream, error.code(), key=key)
+            if other is None:
+                outcome.code = error.code().name
+                await self._pass_through(upstream, error, context)
+                raise error  # unreachable: abort raises
+            upstream, retried = other, True
 
     async def _model_stream_infer(
         self, tenant: Tenant, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext

@@ -1,7 +1,9 @@
 """The engines' saturation, read off Triton's Prometheus metrics port, for `auto` windows.
 
 Per model, summed over the upstreams that set `metrics_url`: requests waiting inside the
-engine, and the largest KV-cache use. The metrics read (the first family found wins):
+engine, and the largest KV-cache use (for the dispatch windows); and each upstream's own
+reading (for `prefix_affinity` routing, which passes over a saturated replica). The
+metrics read (the first family found wins):
 
 | engine                          | waiting requests                            | KV-cache use                                      |
 |---------------------------------|---------------------------------------------|---------------------------------------------------|
@@ -85,11 +87,21 @@ def _merge(loads: Iterable[dict[str, EngineLoad]]) -> dict[str, EngineLoad]:
 
 
 class EngineLoadReader:
-    """Scrapes each metrics URL every POLL_INTERVAL_S and hands each model's load on."""
+    """Scrapes each upstream's metrics URL every POLL_INTERVAL_S and hands the loads on:
+    each model's over all upstreams to `publish(model, load)`, each upstream's own to
+    `publish_upstream(upstream, model, load)`."""
 
-    def __init__(self, urls: Iterable[str], publish: Callable[[str, EngineLoad], None]) -> None:
-        self._urls = list(urls)
+    def __init__(
+        self,
+        sources: Iterable[tuple[str, str]],
+        publish: Callable[[str, EngineLoad], None],
+        publish_upstream: Callable[[str, str, EngineLoad], None],
+    ) -> None:
+        sources = list(sources)
+        self._names = [name for name, _ in sources]
+        self._urls = [url for _, url in sources]
         self._publish = publish
+        self._publish_upstream = publish_upstream
         self._task: asyncio.Task[None] | None = None
         self._failing: set[str] = set()
 
@@ -106,8 +118,11 @@ class EngineLoadReader:
     async def _poll(self) -> None:
         while True:
             texts = await asyncio.gather(*(asyncio.to_thread(self._fetch, url) for url in self._urls))
-            merged = _merge(self._parse(text) for text in texts if text is not None)
-            for model, load in merged.items():
+            readings = [(name, self._parse(text)) for name, text in zip(self._names, texts, strict=True) if text]
+            for name, per_model in readings:
+                for model, load in per_model.items():
+                    self._publish_upstream(name, model, load)
+            for model, load in _merge(per_model for _, per_model in readings).items():
                 self._publish(model, load)
             await asyncio.sleep(POLL_INTERVAL_S)
 

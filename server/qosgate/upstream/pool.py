@@ -1,4 +1,4 @@
-"""A pool of Triton gRPC endpoints: liveness, per-model readiness, least-loaded choice.
+"""A pool of Triton gRPC endpoints: liveness, per-model readiness, routing, failover.
 
 Calls go out as bytes: each upstream holds one grpc.aio channel and one bytes-in/bytes-out
 multicallable per KServe method, made once, so the hot path neither re-encodes messages
@@ -17,6 +17,12 @@ The state is refreshed every `check_interval_s`, and at once when a call saw UNA
 when a repository load or unload went through the gateway (`recheck`), and when an
 upstream's channel connects or loses its connection. With the reconnect backoff bounded
 (`_CHANNEL_OPTIONS`) a restarted Triton is taken back within about a second of listening.
+
+Which live upstream gets a call is each model's routing policy (upstream/routing.py: least
+loaded, or prefix affinity with bounded loads). A call that failed UNAVAILABLE before its
+first response (Triton gone, the connection dropped, the model not ready there) may go
+once more to another live upstream (`failover`); callers never retry after a response has
+reached them, so a client never sees a stream restart or a token twice.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from qosgate.config import UpstreamConfig, UpstreamTlsConfig
+from qosgate.config import RoutingConfig, UpstreamConfig, UpstreamTlsConfig
 from qosgate.errors import Unavailable
+from qosgate.metrics import GatewayMetrics
+from qosgate.scheduler.window import EngineLoad
 from qosgate.tls import channel_credentials
+from qosgate.upstream.routing import Candidate, HashRing, Outcome, PrefixAffinity, least_loaded, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,7 @@ class Upstream:
         "in_flight",
         "live",
         "ready_models",
+        "engine_waiting",
         "_unary",
         "_stream",
         "_probes_started",
@@ -102,6 +112,8 @@ class Upstream:
         self.live = False
         # None: not known (the index could not be read), so any model may be ready here.
         self.ready_models: frozenset[str] | None = frozenset()
+        # Requests of each model waiting in this upstream's engine, from its metrics_url.
+        self.engine_waiting: dict[str, float] = {}
         self.channel: grpc.aio.Channel | None = None
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._stream: grpc.aio.StreamStreamMultiCallable | None = None
@@ -154,8 +166,8 @@ class Upstream:
 
 
 class UpstreamPool:
-    """Live-upstream selection (model ready, then least in flight, round-robin among ties)
-    and the health checks behind it; see the module docstring."""
+    """Live-upstream selection (model ready, then the model's routing policy), failover,
+    and the health checks behind them; see the module docstring."""
 
     def __init__(
         self,
@@ -165,10 +177,13 @@ class UpstreamPool:
         check_timeout_s: float = 1.0,
         max_request_bytes: int = (1 << 31) - 1 - FRAGMENT_ALLOWANCE_BYTES,
         max_response_bytes: int = (1 << 31) - 1,
+        routing: Callable[[str], RoutingConfig] = lambda _model: RoutingConfig(),
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         """`max_request_bytes`/`max_response_bytes`: the gateway's own message limits, so
         that what it accepts from a caller Triton is sent whole, and what Triton answers
-        is taken only as large as the gateway may pass on."""
+        is taken only as large as the gateway may pass on. `routing`: each model's policy;
+        `metrics`: where routing choices and failovers are counted."""
         if not configs:
             raise ValueError("at least one upstream is required")
         sizes = (
@@ -176,6 +191,10 @@ class UpstreamPool:
             ("grpc.max_receive_message_length", max_response_bytes),
         )
         self.upstreams = tuple(Upstream(c, sizes) for c in configs)
+        self._by_name = {u.name: u for u in self.upstreams}
+        self._ring = HashRing([u.name for u in self.upstreams])
+        self._routing = routing
+        self._metrics = metrics if metrics is not None else GatewayMetrics()
         self._check_interval_s = check_interval_s
         self._check_timeout_s = check_timeout_s
         self._turn = itertools.count()
@@ -194,36 +213,74 @@ class UpstreamPool:
         """Call `listener(live)` whenever the pool's overall liveness flips."""
         self._listeners.append(listener)
 
-    def pick(self, model: str | None = None) -> Upstream:
+    def pick(self, model: str | None = None, *, key: bytes | None = None, exclude: Upstream | None = None) -> Upstream:
         """The live upstream for a call (about `model`, if given); raises Unavailable if none.
 
-        Among live upstreams, those with `model` ready come first, then the fewest calls in
-        flight; equals take turns. If no live upstream has `model` ready, one gets the call
-        anyway so that Triton gives its own answer.
+        Among live upstreams (but `exclude`, one that just failed this call), those with
+        `model` ready are the candidates; if none has it ready, every live one is, so that
+        Triton gives its own answer. A call with an affinity `key` (see `key`) goes by
+        prefix affinity among them; any other to the one with the fewest calls in flight,
+        equals taking turns. Load is all calls in flight at an upstream, whatever their
+        model: the models of one Triton share its machine.
         """
         upstreams = self.upstreams
-        if len(upstreams) == 1:
+        if len(upstreams) == 1 and exclude is None:
             only = upstreams[0]
             if only.live:
                 return only
             raise Unavailable("no live Triton upstream", retry_after_s=self._check_interval_s)
-        start = next(self._turn) % len(upstreams)
-        best: Upstream | None = None
-        best_has_model = False
-        for i in range(len(upstreams)):
-            candidate = upstreams[(start + i) % len(upstreams)]
-            if not candidate.live:
-                continue
-            has_model = model is None or candidate.has_ready(model)
-            if (
-                best is None
-                or (has_model and not best_has_model)
-                or (has_model == best_has_model and candidate.in_flight < best.in_flight)
-            ):
-                best, best_has_model = candidate, has_model
-        if best is None:
+        live = [u for u in upstreams if u.live and u is not exclude]
+        if model is not None:
+            live = [u for u in live if u.has_ready(model)] or live
+        if not live:
             raise Unavailable("no live Triton upstream", retry_after_s=self._check_interval_s)
-        return best
+        turn = next(self._turn)
+        if model is None:
+            return live[least_loaded([Candidate(u.name, u.in_flight) for u in live], turn)]
+        candidates = [Candidate(u.name, u.in_flight, u.engine_waiting.get(model)) for u in live]
+        if key is None:
+            chosen = live[least_loaded(candidates, turn)]
+            self._metrics.routed(model, chosen.name, Outcome.LEAST_LOADED.value)
+            return chosen
+        config = self._routing(model)
+        affinity = PrefixAffinity(config.load_factor, config.max_engine_waiting)
+        choice = affinity.choose(self._ring, candidates, key, turn)
+        chosen = live[choice.index]
+        self._metrics.routed(model, chosen.name, choice.outcome.value)
+        return chosen
+
+    def key(self, model: str, *, prompt: str | None = None, session: str | None = None) -> bytes | None:
+        """The affinity key of a call of `model` under its routing policy (None: none)."""
+        return routing_key(self._routing(model), prompt, session)
+
+    def session_header(self, model: str) -> str | None:
+        """The header `model`'s routing reads a session id from, if any."""
+        return self._routing(model).session_header
+
+    def failover(self, model: str, failed: Upstream, code: grpc.StatusCode, *, key: bytes | None) -> Upstream | None:
+        """Where to retry a call that `failed` ended with `code` before any response: another
+        live upstream if the code is UNAVAILABLE (Triton down, the connection lost, or the
+        model not ready there) and there is one; None otherwise. Counted either way.
+
+        Callers retry once at most: the retry's own failure is the caller's answer.
+        """
+        if code is not grpc.StatusCode.UNAVAILABLE:
+            return None
+        self.recheck(failed)
+        try:
+            other = self.pick(model, key=key, exclude=failed)
+        except Unavailable:
+            self._metrics.failover(model, failed.name, "no_other_upstream")
+            return None
+        self._metrics.failover(model, failed.name, "retried")
+        log.info("upstream %s failed a %s call before responding: retrying on %s", failed.name, model, other.name)
+        return other
+
+    def engine_load(self, upstream: str, model: str, load: EngineLoad) -> None:
+        """The latest engine reading of `model` at `upstream` (EngineLoadReader)."""
+        found = self._by_name.get(upstream)
+        if found is not None:
+            found.engine_waiting[model] = load.waiting
 
     def ready_models(self) -> list[str]:
         """Models ready at a live upstream at its last check, sorted; an upstream whose

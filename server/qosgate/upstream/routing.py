@@ -67,7 +67,7 @@ class Candidate:
 
     name: str
     in_flight: int
-    """Calls of the model in flight there."""
+    """Calls in flight there."""
     engine_waiting: float | None = None
     """Requests waiting in the replica's engine, if its metrics are read."""
 
@@ -92,11 +92,12 @@ def affinity_key(prompt: str, prefix_bytes: int, session: str | None = None) -> 
     return b"prefix\0" + prompt.encode()[:prefix_bytes]
 
 
-def routing_key(config: RoutingConfig, prompt: str, session: str | None) -> bytes | None:
-    """The key a call is routed by under `config`: None under `least_loaded`."""
-    if config.policy != "prefix_affinity":
+def routing_key(config: RoutingConfig, prompt: str | None, session: str | None) -> bytes | None:
+    """The key a call is routed by under `config`: None under `least_loaded`, and for a
+    call with neither a prompt the gateway reads (KServe) nor a session id."""
+    if config.policy != "prefix_affinity" or (prompt is None and not session):
         return None
-    return affinity_key(prompt, config.prefix_bytes, session)
+    return affinity_key(prompt or "", config.prefix_bytes, session)
 
 
 def least_loaded(candidates: Sequence[Candidate], turn: int) -> int:
