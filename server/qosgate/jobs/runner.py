@@ -99,6 +99,8 @@ class JobRunner:
         self._callback_tasks: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._last_tenant = ""
+        self._recovered = False
+        self._next_housekeeping = self._next_lease_turn = 0.0
 
     def notify(self) -> None:
         """New work exists (a job was sealed): look for it now rather than at the next poll."""
@@ -117,30 +119,11 @@ class JobRunner:
         """Dispatch until cancelled. Items in flight at shutdown stay `running` in the store
         and are re-run by the next start (or, in a shared store, by another gateway after
         their lease), exactly as after a kill -9."""
-        recovered = False
-        next_housekeeping = next_lease_turn = 0.0
         try:
             while True:
                 self._wake.clear()
                 try:
-                    if not recovered:
-                        requeued = await self._store.recover()
-                        recovered = True
-                        if requeued:
-                            log.info("batch runner: %d item(s) re-queued after restart", requeued)
-                    if self._wall_time() >= next_housekeeping:
-                        # Also retries callbacks that failed (or were cut off by a restart).
-                        for job in await self._store.callbacks_due(
-                            self._housekeeping_interval_s
-                        ):
-                            self._send_callback(job)
-                        await self._store.expire()
-                        next_housekeeping = self._wall_time() + self._housekeeping_interval_s
-                    if self._wall_time() >= next_lease_turn:
-                        await self._keep_leases()
-                        next_lease_turn = self._wall_time() + self._lease_renew_interval_s
-                    await self._fill()
-                    sleep_s = min(await self._sleep_s(), next_lease_turn - self._wall_time())
+                    sleep_s = await self._turn()
                 except Unavailable as error:
                     log.warning("batch runner: %s; trying again shortly", error.message)
                     sleep_s = self._idle_poll_s
@@ -156,6 +139,26 @@ class JobRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _turn(self) -> float:
+        """Recovery (once), housekeeping and leases when due, then dispatch; returns how
+        long to wait before the next turn unless woken."""
+        if not self._recovered:
+            requeued = await self._store.recover()
+            self._recovered = True
+            if requeued:
+                log.info("batch runner: %d item(s) re-queued after restart", requeued)
+        if self._wall_time() >= self._next_housekeeping:
+            # Also retries callbacks that failed (or were cut off by a restart).
+            for job in await self._store.callbacks_due(self._housekeeping_interval_s):
+                self._send_callback(job)
+            await self._store.expire()
+            self._next_housekeeping = self._wall_time() + self._housekeeping_interval_s
+        if self._wall_time() >= self._next_lease_turn:
+            await self._keep_leases()
+            self._next_lease_turn = self._wall_time() + self._lease_renew_interval_s
+        await self._fill()
+        return min(await self._sleep_s(), self._next_lease_turn - self._wall_time())
 
     async def _keep_leases(self) -> None:
         stop = {item.lease_token for item in await self._store.renew(list(self._in_flight.values()))}
