@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 import struct
 import time
@@ -23,6 +24,9 @@ import httpx
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
+
+# httpx logs every request at INFO: a load run sends thousands.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # Request bodies are built once per caller; every send reuses the serialised message.
 Tensor = service_pb2.ModelInferRequest.InferInputTensor
