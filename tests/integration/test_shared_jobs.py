@@ -39,6 +39,7 @@ def gateway_config(directory: Path, triton: LocalTriton, store_url: str) -> dict
         "metrics_listen": "127.0.0.1:0",
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(directory / "usage.sqlite3"),
+        "openai": {"listen": "127.0.0.1:0", "files_db": str(directory / "openai_files.sqlite3")},
         "tenants": [
             {"name": "acme", "api_keys": [{"key": ACME_KEY}]},
             {"name": "globex", "api_keys": [{"key": GLOBEX_KEY}]},
