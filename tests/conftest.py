@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+import urllib.request
 
 import pytest
 
@@ -59,3 +61,25 @@ def postgres() -> PostgresServer:
         yield server
     finally:
         server.stop()
+
+
+def engine_gauges(triton: LocalTriton) -> dict[str, float]:
+    """The vLLM backend's engine metrics from Triton's metrics endpoint, by name."""
+    url = f"http://127.0.0.1:{triton.ports.metrics}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_engine_"):
+            name = line.split("{", 1)[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def engine_idle(triton: LocalTriton, why: str, timeout: float = 30.0) -> dict[str, float]:
+    """Wait until the engine runs no request; returns its metrics then."""
+    # The backend polls for cancellation; a loaded shared machine can take a while.
+    deadline = time.monotonic() + timeout
+    while (gauges := engine_gauges(triton))["vllm_engine_requests_running"] > 0:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.2)
+    return gauges

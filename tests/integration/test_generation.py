@@ -8,7 +8,6 @@ onto smollm2), so greedy answers must be identical through either.
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -239,28 +238,6 @@ def test_usage_api_equals_the_sum_of_request_usage(
     assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
 
 
-def _engine_gauges(triton: LocalTriton) -> dict[str, float]:
-    """The vLLM backend's engine metrics from Triton's metrics endpoint, by name."""
-    url = f"http://127.0.0.1:{triton.ports.metrics}/metrics"
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm_engine_"):
-            name = line.split("{", 1)[0]
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
-def _engine_idle(triton: LocalTriton, why: str, timeout: float = 30.0) -> dict[str, float]:
-    """Wait until the engine runs no request; returns its metrics then."""
-    # The backend polls for cancellation; a loaded shared machine can take a while.
-    deadline = time.monotonic() + timeout
-    while (gauges := _engine_gauges(triton))["vllm_engine_requests_running"] > 0:
-        assert time.monotonic() < deadline, why
-        time.sleep(0.2)
-    return gauges
-
-
 @pytest.mark.parametrize("model", ADAPTERS)
 def test_cancelled_stream_frees_its_slots(
     generation: generation_pb2_grpc.GenerationServiceStub,
@@ -271,7 +248,7 @@ def test_cancelled_stream_frees_its_slots(
 ) -> None:
     require_model(model)
     # Count from an idle engine: an earlier test's cancelled stream may still be aborting.
-    tokens_before = _engine_idle(triton, "an earlier request never left the engine")[
+    tokens_before = conftest.engine_idle(triton, "an earlier request never left the engine")[
         "vllm_engine_generation_tokens_total"
     ]
     usage_before = admin.GetUsage(admin_pb2.GetUsageRequest(), metadata=_metadata(SINGLE_KEY)).today
@@ -313,13 +290,13 @@ def test_cancelled_stream_frees_its_slots(
         # The engine aborted it: it is idle again long before 300 tokens could have been
         # generated. (The BLS hop of smollm2_trtllm cannot cancel its engine request in
         # Triton 2.51: see model_repository/smollm2_trtllm/1/model.py.)
-        gauges = _engine_idle(triton, "the engine still runs the cancelled request", timeout=10)
+        gauges = conftest.engine_idle(triton, "the engine still runs the cancelled request", timeout=10)
         generated = gauges["vllm_engine_generation_tokens_total"] - tokens_before
         print(f"the engine generated {generated:.0f} tokens for both requests")
         assert generated < MAX_TOKENS_CANCELLED / 2
     else:
         # Its engine request runs on to max_tokens: let it end before the next test.
-        _engine_idle(triton, "the un-cancellable BLS request never ended", timeout=120)
+        conftest.engine_idle(triton, "the un-cancellable BLS request never ended", timeout=120)
 
 
 async def _snapshot(gateway: GatewayThread) -> SchedulerSnapshot:

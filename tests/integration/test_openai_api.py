@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import require_model
+from conftest import engine_idle, require_model
 from gateway_harness import GatewayThread, gateway_config
 from qosgate.launcher import LocalTriton
 
@@ -195,7 +195,9 @@ def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out
     assert attempts[1] - attempts[0] >= 0.9 * min(retry_after_ms, 60_000) / 1000 - 0.5
 
 
-def test_a_client_that_disconnects_cancels_its_request(gateway: GatewayThread) -> None:
+def test_a_client_that_disconnects_cancels_its_request(gateway: GatewayThread, triton: LocalTriton) -> None:
+    # Count from an idle engine: an earlier test's request may still be finishing.
+    tokens_before = engine_idle(triton, "an earlier request never left the engine")["vllm_engine_generation_tokens_total"]
     body = {"model": "smollm2", "prompt": COUNTING_PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}
     headers = {"authorization": f"Bearer {SINGLE_KEY}"}
     with httpx.stream("POST", f"{gateway.openai_url}/completions", json=body, headers=headers, timeout=60) as response:
@@ -216,6 +218,9 @@ def test_a_client_that_disconnects_cancels_its_request(gateway: GatewayThread) -
     # ...and nothing of it holds the model's dispatch window.
     snapshot = gateway.run(_snapshot(gateway))
     assert snapshot.in_flight.get("smollm2", 0) == 0
+    # The engine aborted it: idle again long before 300 tokens could have been generated.
+    gauges = engine_idle(triton, "the engine still runs the disconnected request", timeout=10)
+    assert gauges["vllm_engine_generation_tokens_total"] - tokens_before < 150
 
 
 async def _snapshot(gateway: GatewayThread):  # type: ignore[no-untyped-def]
