@@ -165,7 +165,11 @@ class GatewayProcess:
     @classmethod
     @contextlib.contextmanager
     def running(cls, config: dict[str, Any], directory: pathlib.Path) -> Iterator[GatewayProcess]:
-        """Write `config` to DIRECTORY/gateway.yaml, start it there, stop it on the way out."""
+        """Write `config` to DIRECTORY/gateway.yaml, start it there, stop it on the way out.
+        A config without an `openai` section gets one on a free port with its files in
+        DIRECTORY, so no test takes the default port 8080 or the shared .cache."""
+        if "openai" not in config:
+            config = {**config, "openai": {"listen": "127.0.0.1:0", "files_db": str(directory / "openai_files.sqlite3")}}
         path = directory / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         process = cls(path, directory / "gateway.log").start()
