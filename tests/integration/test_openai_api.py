@@ -218,6 +218,11 @@ def test_a_client_that_disconnects_cancels_its_request(gateway: GatewayThread, t
     # ...and nothing of it holds the model's dispatch window.
     snapshot = gateway.run(_snapshot(gateway))
     assert snapshot.in_flight.get("smollm2", 0) == 0
+    # Counted as cancelled, not as a failure of the gateway.
+    labels = {"rpc": "openai.Completions", "model": "smollm2", "tenant": "single", "class": "standard"}
+    registry = gateway.gateway.metrics.registry
+    assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "CANCELLED"}) == 1
+    assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "INTERNAL"}) is None
     # The engine aborted it: idle again long before 300 tokens could have been generated.
     gauges = engine_idle(triton, "the engine still runs the disconnected request", timeout=10)
     assert gauges["vllm_engine_generation_tokens_total"] - tokens_before < 150

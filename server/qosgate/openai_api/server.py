@@ -117,6 +117,8 @@ class OpenAIServer:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except ConnectionResetError:
+            raise  # the client went away mid-response: aiohttp drops it quietly
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -193,7 +195,9 @@ class OpenAIServer:
                         texts.append(item)
                     else:
                         raise errors.Internal("generation ended without a result")
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client disconnected (its handler was cancelled, or a write found the
+            # connection closed); closing `items` above cancelled the engine request.
             record_generation(self._metrics, rpc, body.model, labels, asyncio.CancelledError())
             raise
         except _StreamFailed as e:
