@@ -17,7 +17,7 @@ def section_text(results: list[report.ScenarioResult]) -> str:
         "",
         "`make bench-quick` (about a minute per scenario, more for the LLM ones) or `make bench`",
         "(full length) run the suite; `python -m bench <scenario> [--quick]` runs one of",
-        "`overhead isolation fairness quota llm window batching`. Each scenario starts what it needs",
+        "`overhead isolation fairness quota llm window batching routing`. Each scenario starts what it needs",
         "(local Triton, nginx `grpc_pass` as the plain-proxy reference, `qosgate serve` with a",
         "generated config) on free loopback ports, runs a bounded load (perf_analyzer 2.51.0 from",
         "`make tools`, or a grpc.aio KServe client for multi-tenant and streaming loads), stops",

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-SCENARIO_ORDER = ("overhead", "isolation", "fairness", "quota", "llm", "window", "batching")
+SCENARIO_ORDER = ("overhead", "isolation", "fairness", "quota", "llm", "window", "batching", "routing")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -150,16 +150,20 @@ def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib
     return conf
 
 
-def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str, upstream: str,
-                   upstream_metrics: str, tenants: Sequence[Mapping[str, Any]],
+def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str,
+                   upstreams: Sequence[tuple[str, str]], tenants: Sequence[Mapping[str, Any]],
                    models: Mapping[str, Mapping[str, Any]] | None = None,
                    scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run."""
+    """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run;
+    `upstreams`: (gRPC target, metrics URL) of each Triton."""
     doc: dict[str, Any] = {
         "listen": listen,
         "metrics_listen": metrics_listen,
         "openai": {"listen": openai_listen},
-        "upstreams": [{"name": "local", "url": upstream, "metrics_url": upstream_metrics}],
+        "upstreams": [
+            {"name": "local" if len(upstreams) == 1 else f"triton-{i}", "url": url, "metrics_url": metrics}
+            for i, (url, metrics) in enumerate(upstreams)
+        ],
         "tenants": [dict(t) for t in tenants],
     }
     if models:
@@ -178,14 +182,16 @@ class Stack:
     """
 
     def __init__(self, *, models: Sequence[str], model_repository: pathlib.Path | None = None,
-                 triton_args: Sequence[str] = ()) -> None:
+                 triton_args: Sequence[str] = (), replicas: int = 1) -> None:
         self.models = list(models)
+        self.replica_count = replicas
         self.model_repository = model_repository
         self.triton_args = list(triton_args)
         # Configs and logs of this run; the error messages carry the log tails that matter.
         self._tmp = tempfile.TemporaryDirectory(prefix="qosgate-bench-")
         self.dir = pathlib.Path(self._tmp.name)
-        self.triton: LocalTriton | None = None
+        self.triton: LocalTriton | None = None  # the first replica
+        self.replicas: list[LocalTriton] = []
         self.nginx: GroupProcess | None = None
         self.gateway: GroupProcess | None = None
         self.nginx_url = ""
@@ -200,13 +206,14 @@ class Stack:
         return self.triton.ports.grpc_url
 
     def pending(self, model: str) -> int:
-        """Requests Triton holds for `model` (queued or executing), from its metrics."""
-        assert self.triton is not None
-        url = self.triton.ports.metrics_url
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-        prefix = f'nv_inference_pending_request_count{{model="{model}"'
-        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(prefix))
+        """Requests the Tritons hold for `model` (queued or executing), from their metrics."""
+        total = 0
+        for replica in self.replicas:
+            with urllib.request.urlopen(replica.ports.metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+            prefix = f'nv_inference_pending_request_count{{model="{model}"'
+            total += sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(prefix))
+        return total
 
     def wait_idle(self, model: str, timeout: float = 120.0) -> None:
         """Let Triton drain what an earlier phase left queued, so phases do not overlap."""
@@ -217,12 +224,18 @@ class Stack:
     def __enter__(self) -> Stack:
         self._exit.__enter__()
         try:
-            ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
-            self.triton = LocalTriton(
-                models=self.models, ports=ports, model_repository=self.model_repository,
-                log_path=self.dir / "tritonserver.log", extra_args=self.triton_args,
-            )
-            self._exit.enter_context(self.triton)
+            for i in range(self.replica_count):
+                ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
+                replica = LocalTriton(
+                    models=self.models, ports=ports, model_repository=self.model_repository,
+                    log_path=self.dir / f"tritonserver-{i}.log", extra_args=self.triton_args,
+                )
+                self.replicas.append(replica)
+                self._exit.callback(replica.stop)
+                replica.start()  # side by side: the replicas load their models together
+            for replica in self.replicas:
+                replica.wait_ready()
+            self.triton = self.replicas[0]
         except BaseException:
             self._exit.close()
             raise
@@ -260,7 +273,7 @@ class Stack:
         doc = gateway_config(
             listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{metrics_port}",
             openai_listen=f"{LOOPBACK}:{http_port}",
-            upstream=self.triton_url, upstream_metrics=self.triton.ports.metrics_url,
+            upstreams=[(r.ports.grpc_url, r.ports.metrics_url) for r in self.replicas],
             tenants=tenants, models=models, scheduler=scheduler,
         )
         self.gateway_metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
@@ -302,8 +315,7 @@ def checked(stack: Stack) -> Iterator[Stack]:
             yield stack
         finally:
             groups = [p.pgid for p in (stack.nginx, stack.gateway) if p is not None]
-            if stack.triton is not None and stack.triton.pid is not None:
-                groups.append(stack.triton.pid)
+            groups += [r.pid for r in stack.replicas if r.pid is not None]
     left = leftover_processes(groups)
     if left:
         raise RuntimeError(f"process groups left behind: {left}")

@@ -182,7 +182,11 @@ class OpenAIServer:
         created = wire.now()
         try:
             tenant = self._tenant(request)
-            async with contextlib.aclosing(self._generation.generate(tenant, call, labels=labels)) as items:
+            # The headers by name (the last of a repeated one), where routing finds a session id.
+            headers = dict(_metadata(request))
+            async with contextlib.aclosing(
+                self._generation.generate(tenant, call, labels=labels, headers=headers)
+            ) as items:
                 if body.stream:
                     response = await self._stream(request, items, body, chat, completion_id, created)
                 else:
