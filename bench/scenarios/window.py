@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 MODEL = "smollm2"
 MAX_TOKENS = 32
 CRITICAL_TOKENS = 16
+CRITICAL_STREAMS = 2
 CONCURRENCY = 64  # smollm2's max_num_seqs: the engine's own batch limit
 FLOOD = 4 * CONCURRENCY
 PROMPT = "Explain what a load balancer does, in detail."
@@ -96,43 +97,50 @@ def _ttft_ms(outcomes: list[load.Outcome], lo: float, hi: float) -> list[float]:
     return [o.ttft * 1e3 for o in outcomes if o.ok and o.ttft is not None and lo <= o.start < hi]
 
 
-async def phases(url: str, run: Run, warmup: float, seconds: float) -> None:
-    """Throughput of one class at 64 streams; a critical stream alone; the same under a
-    batch flood of 4 x 64, measured after the flood has settled in."""
+async def phases(url: str, run: Run, warmup: float, settle: float, seconds: float) -> None:
+    """Throughput of one class at 64 streams; critical streams alone; the same under a
+    batch flood of 4 x 64, measured once the flood has settled in (the requests the window
+    admitted before it moved have drained)."""
     target = load.Target(url)
     request = load.generation_request(MODEL, PROMPT, MAX_TOKENS)
     critical_request = load.generation_request(MODEL, PROMPT, CRITICAL_TOKENS)
 
-    def stream(caller: load.Caller, req: service_pb2.ModelInferRequest) -> load.Send:
-        return lambda: target.stream(caller, req, 120.0)
+    def stream(caller: load.Caller, req: service_pb2.ModelInferRequest, until: float) -> load.Send:
+        # The phase's end is every stream's deadline: what is still queued then is dropped
+        # by the gateway, not served into the next phase.
+        return lambda: target.stream(caller, req, max(0.1, until - target.now()))
 
     try:
         begin = target.now()
-        outcomes = await load.closed_loop(stream(STANDARD, request), CONCURRENCY, begin + warmup + seconds, target.now)
-        lo, hi = begin + warmup, begin + warmup + seconds
-        run.tokens_per_s = sum(lo <= t < hi for o in outcomes for t in o.token_times) / seconds
-
-        begin = target.now()
-        alone = await load.closed_loop(stream(CRITICAL, critical_request), 1, begin + seconds, target.now)
-        run.unloaded_ttft_ms = _ttft_ms(alone, begin, begin + seconds)
-
-        begin = target.now()
         until = begin + warmup + seconds
-        flood = asyncio.ensure_future(load.closed_loop(stream(BATCH, request), FLOOD, until, target.now))
-        critical = await load.closed_loop(stream(CRITICAL, critical_request), 1, until, target.now)
+        outcomes = await load.closed_loop(stream(STANDARD, request, until), CONCURRENCY, until, target.now)
+        run.tokens_per_s = sum(begin + warmup <= t < until for o in outcomes for t in o.token_times) / seconds
+
+        begin = target.now()
+        until = begin + seconds
+        alone = await load.closed_loop(stream(CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
+                                       target.now)
+        run.unloaded_ttft_ms = _ttft_ms(alone, begin, until)
+
+        begin = target.now()
+        until = begin + settle + seconds
+        flood = asyncio.ensure_future(load.closed_loop(stream(BATCH, request, until), FLOOD, until, target.now))
+        critical = await load.closed_loop(stream(CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
+                                          target.now)
         await flood
-        run.flood_ttft_ms = _ttft_ms(critical, begin + warmup, until)
+        run.flood_ttft_ms = _ttft_ms(critical, begin + settle, until)
     finally:
         await target.close()
 
 
 def run(ctx: RunContext) -> ScenarioResult:
-    warmup, seconds = ctx.pick((6.0, 10.0), (15.0, 30.0))
+    warmup, settle, seconds = ctx.pick((6.0, 12.0, 15.0), (15.0, 20.0, 45.0))
     notes = [f"smollm2, {MAX_TOKENS}-token streams (ignore_eos, greedy) over KServe ModelStreamInfer. Per "
              f"window: {CONCURRENCY} `standard` streams ({warmup:.0f} s warm-up, {seconds:.0f} s counted); "
-             f"then one `critical` stream of {CRITICAL_TOKENS} tokens alone ({seconds:.0f} s); then the same "
-             f"next to {FLOOD} `batch` streams ({warmup:.0f} s for the flood to settle in, {seconds:.0f} s "
-             "counted). Every window in one run, one gateway after the other on the same Triton."]
+             f"then {CRITICAL_STREAMS} `critical` streams of {CRITICAL_TOKENS} tokens alone ({seconds:.0f} s); "
+             f"then the same next to {FLOOD} `batch` streams ({settle:.0f} s for the flood to settle in, "
+             f"{seconds:.0f} s counted). Every window in one run, one gateway after the other on the same "
+             "Triton; closed loops, each phase's end is its streams' deadline."]
     runs = [Run("auto", {}), Run("fixed 4 (too small)", {"dispatch_window": 4}),
             Run("fixed 64 (too large)", {"dispatch_window": CONCURRENCY})]
     if not ctx.quick:
@@ -146,7 +154,7 @@ def run(ctx: RunContext) -> ScenarioResult:
             stack.wait_idle(MODEL)
             url = stack.start_gateway(tenants=TENANTS, models={MODEL: r.policy})
             with WindowSampler(stack.gateway_metrics_url, epoch) as sampler:
-                asyncio.run(phases(url, r, warmup, seconds))
+                asyncio.run(phases(url, r, warmup, settle, seconds))
             r.windows = sampler.samples
             log.info("%s", r.row())
     auto, fixed = runs[0], runs[1:]

@@ -33,7 +33,7 @@ def step(c: WindowController, now: float, *, latency: dict[int, float] | None = 
 def test_slow_start_doubles_until_the_first_shrink_then_grows_by_an_eighth() -> None:
     c = controller(window=4)
     assert [step(c, i) for i in range(5)] == [8, 16, 32, 64, 64]  # capped at window_max
-    assert step(c, 5, load=EngineLoad(waiting=20, kv_cache_usage=0.5)) == 51
+    assert step(c, 5, load=EngineLoad(waiting=20, kv_cache_usage=0.95)) == 51
     assert [step(c, 6 + i) for i in range(3)] == [57, 64, 64]
 
 
@@ -52,11 +52,18 @@ def test_decides_at_most_once_per_interval() -> None:
         assert c.decide(INTERVAL_S * i / 10, queued=10, in_flight=16) is None
 
 
-def test_shrinks_when_requests_wait_inside_the_engine() -> None:
+def test_shrinks_when_requests_keep_waiting_inside_the_engine() -> None:
     c = controller(window=40)
-    assert step(c, 0, load=EngineLoad(waiting=12, kv_cache_usage=0.5)) == 32
-    # A request or two between arrival and the engine's next step is no saturation.
-    assert step(c, 1, load=EngineLoad(waiting=1, kv_cache_usage=0.5)) == 36
+    c.slow_start = False
+    queue = EngineLoad(waiting=12, kv_cache_usage=0.5)
+    # A burst of arrivals waits for one engine step: no saturation yet...
+    assert step(c, 0, load=queue) == 45
+    # ...but a queue still there a second later is.
+    assert step(c, 1, load=queue) == 36
+    # A request or two between arrival and the engine's next step never is.
+    c2 = controller(window=40)
+    c2.slow_start = False
+    assert [step(c2, i, load=EngineLoad(waiting=1, kv_cache_usage=0.5)) for i in range(3)] == [45, 50, 56]
 
 
 def test_shrinks_when_the_kv_cache_is_nearly_full() -> None:
@@ -95,7 +102,7 @@ def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_floo
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
     c = controller(window=40)
     step(c, 0, latency={CRITICAL: 0.05}, queued=0)
-    assert step(c, 1, latency={CRITICAL: 0.05, BATCH: 0.1}, load=EngineLoad(waiting=30, kv_cache_usage=0.5)) == 32
+    assert step(c, 1, latency={CRITICAL: 0.05, BATCH: 0.1}, load=EngineLoad(waiting=30, kv_cache_usage=0.97)) == 32
 
 
 async def test_the_scheduler_moves_an_auto_window_as_requests_finish() -> None:

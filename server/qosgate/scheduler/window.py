@@ -4,8 +4,9 @@ caller's `now`.
 Two things bound a window, and the controller watches both (in the manner of llm-d's
 saturation detector and of Netflix's gradient concurrency limiters):
 
-- The engine's capacity. Requests waiting inside the engine (its own queue, where the
-  gateway's priority and fair share are lost) or a nearly full KV cache mean the window
+- The engine's capacity. Requests waiting inside the engine for a second or more (its
+  own queue, where the gateway's priority and fair share are lost; a burst of arrivals
+  waits for one step, which is no saturation) or a nearly full KV cache mean the window
   is past it: shrink. Otherwise, while the window is what limits (requests queue in the
   gateway with the window full), grow: doubling until the first shrink (slow start),
   then by window/8.
@@ -44,6 +45,9 @@ BASELINE_DRIFT = 0.002
 # readings older than this are ignored (the scrape stopped working).
 ACTIVE_S = 5.0
 ENGINE_STALE_S = 5.0
+# Requests arriving together wait in the engine until its next step; only a waiting
+# queue that persists this long is saturation.
+WAITING_PERSIST_S = 1.0
 # Latency samples kept per class and interval (their median decides).
 _KEEP = 64
 
@@ -88,6 +92,7 @@ class WindowController:
     slow_start: bool = True
     engine: EngineLoad | None = None
     engine_at: float = 0.0
+    waiting_since: float | None = None  # since when every reading showed a waiting queue
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
 
     def latency(self, level: int, seconds: float, now: float) -> None:
@@ -102,6 +107,11 @@ class WindowController:
 
     def engine_load(self, load: EngineLoad, now: float) -> None:
         self.engine, self.engine_at = load, now
+        # A request or two waits in any engine between its arrival and the next step.
+        if load.waiting < max(2.0, self.window / GROWTH_DIVISOR):
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = now
 
     def decide(self, now: float, *, queued: int, in_flight: int) -> int | None:
         """The new window if it moves now, else None. Call often: it acts once per interval."""
@@ -125,8 +135,7 @@ class WindowController:
     def _engine_bound(self, now: float, limited: bool) -> int:
         load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
         if load is not None and (
-            # A request or two waits in any engine between its arrival and the next step.
-            load.waiting >= max(2.0, self.window / GROWTH_DIVISOR)
+            (self.waiting_since is not None and now - self.waiting_since >= WAITING_PERSIST_S)
             or (load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH)
         ):
             return max(self.minimum, int(self.window * DECREASE))
