@@ -19,14 +19,14 @@ def controller(window: int = 8, minimum: int = 2, maximum: int = 64) -> WindowCo
 
 
 def step(c: WindowController, now: float, *, latency: dict[int, float] | None = None,
-         queued: int = 10, in_flight: int | None = None, load: EngineLoad | None = IDLE) -> int:
+         limited: bool = True, load: EngineLoad | None = IDLE) -> int:
     """One interval: the given classes each report a few dispatches, then the decision."""
     if load is not None:
         c.engine_load(load, now)
     for level, seconds in (latency or {BATCH: 0.1}).items():
         for _ in range(3):
             c.latency(level, seconds, now)
-    c.decide(now + INTERVAL_S, queued=queued, in_flight=c.window if in_flight is None else in_flight)
+    c.decide(now + INTERVAL_S, limited=limited)
     return c.window
 
 
@@ -37,19 +37,17 @@ def test_slow_start_doubles_until_the_first_shrink_then_grows_by_an_eighth() -> 
     assert [step(c, 6 + i) for i in range(3)] == [57, 64, 64]
 
 
-def test_holds_without_demand() -> None:
+def test_holds_while_the_window_is_not_what_limits() -> None:
     c = controller()
-    assert [step(c, i, queued=0) for i in range(5)] == [8] * 5
-    # A full window with nothing queued is not a reason to grow either.
-    assert step(c, 10, queued=0, in_flight=8) == 8
+    assert [step(c, i, limited=False) for i in range(5)] == [8] * 5
 
 
 def test_decides_at_most_once_per_interval() -> None:
     c = controller()
-    c.decide(0.0, queued=10, in_flight=8)
+    c.decide(0.0, limited=True)
     assert c.window == 16
     for i in range(1, 10):
-        assert c.decide(INTERVAL_S * i / 10, queued=10, in_flight=16) is None
+        assert c.decide(INTERVAL_S * i / 10, limited=True) is None
 
 
 def test_shrinks_when_requests_keep_waiting_inside_the_engine() -> None:
@@ -79,13 +77,13 @@ def test_a_stale_engine_reading_is_ignored() -> None:
 
 def test_one_class_alone_sizes_for_throughput_however_slow_it_gets() -> None:
     c = controller(window=8)
-    step(c, 0, latency={BATCH: 0.05}, queued=0)
+    step(c, 0, latency={BATCH: 0.05}, limited=False)
     assert [step(c, 1 + i, latency={BATCH: 0.05 * (i + 2)}) for i in range(3)] == [16, 32, 64]
 
 
 def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_flood() -> None:
     c = controller(window=64)
-    step(c, 0, latency={CRITICAL: 0.05}, queued=0)  # critical alone: its baseline
+    step(c, 0, latency={CRITICAL: 0.05}, limited=False)  # critical alone: its baseline
     # The flood: critical's first responses at 4x the baseline; shrink by the gradient,
     # at most by half per interval.
     assert step(c, 1, latency={CRITICAL: 0.2, BATCH: 0.3}) == 32
@@ -101,7 +99,7 @@ def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_floo
 
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
     c = controller(window=40)
-    step(c, 0, latency={CRITICAL: 0.05}, queued=0)
+    step(c, 0, latency={CRITICAL: 0.05}, limited=False)
     assert step(c, 1, latency={CRITICAL: 0.05, BATCH: 0.1}, load=EngineLoad(waiting=30, kv_cache_usage=0.97)) == 32
 
 
@@ -138,3 +136,21 @@ async def test_settle_charges_the_real_cost() -> None:
     async with scheduler.slot(tenant=tenant, klass="standard", model="m", deadline=None, cost=266) as d:
         d.settle(42)
     assert scheduler.snapshot().served == {("m", "t"): 42}
+
+
+async def test_one_lower_class_alone_grows_the_window_it_cannot_fill() -> None:
+    """`standard` may fill only part of the window (the nested reservation keeps the rest
+    for the classes above), yet it is the window that holds it back: the window grows."""
+    clock = FakeClock()
+    scheduler = Scheduler(parse_config({"scheduler": {"window_reserve": 0.25}}), clock)
+    tenant = make_tenant("t")
+
+    async def loop() -> None:
+        for _ in range(20):
+            async with scheduler.slot(tenant=tenant, klass="standard", model="m", deadline=None) as d:
+                await asyncio.sleep(0)
+                clock.advance(0.05)
+                d.responded()
+
+    await asyncio.gather(*(loop() for _ in range(64)))
+    assert scheduler.snapshot().window["m"] == 64

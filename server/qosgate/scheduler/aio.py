@@ -118,8 +118,7 @@ class Scheduler:
             controller.latency(self._core.level(waiter.klass), seconds, self._clock.now())
 
     def _resize(self, model: str, controller: WindowController) -> None:
-        _, in_flight, queued = self._core.window(model)
-        window = controller.decide(self._clock.now(), queued=queued, in_flight=in_flight)
+        window = controller.decide(self._clock.now(), limited=self._core.window_limits(model))
         if window is not None:
             self._resolve(self._core.resize(model, window, self._clock.now()))
 

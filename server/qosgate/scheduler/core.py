@@ -427,10 +427,12 @@ class SchedulingCore:
         model.queued -= 1
         return True
 
-    def window(self, model_name: str) -> tuple[int, int, int]:
-        """A model's (window, in flight, queued) now."""
+    def window_limits(self, model_name: str) -> bool:
+        """Whether the window is what holds a model's queued requests back: some class has
+        work queued while its share of the window is full (a lower class never fills the
+        whole window: the nested reservation keeps slots for the classes above)."""
         model = self._queues(model_name)
-        return model.window, model.in_flight, model.queued
+        return any(k.live and model.in_flight >= k.window for k in model.classes)
 
     def snapshot(self) -> SchedulerSnapshot:
         queued: dict[tuple[str, str, str], int] = {}

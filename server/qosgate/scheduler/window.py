@@ -8,7 +8,7 @@ saturation detector and of Netflix's gradient concurrency limiters):
   own queue, where the gateway's priority and fair share are lost; a burst of arrivals
   waits for one step, which is no saturation) or a nearly full KV cache mean the window
   is past it: shrink. Otherwise, while the window is what limits (requests queue in the
-  gateway with the window full), grow: doubling until the first shrink (slow start),
+  gateway with their class's share of the window full), grow: doubling until the first shrink (slow start),
   then by window/8.
 - The latency of the highest class, when lower classes share the engine with it. On an
   engine whose step time grows with its batch, every request at the engine slows the
@@ -113,14 +113,14 @@ class WindowController:
         elif self.waiting_since is None:
             self.waiting_since = now
 
-    def decide(self, now: float, *, queued: int, in_flight: int) -> int | None:
-        """The new window if it moves now, else None. Call often: it acts once per interval."""
+    def decide(self, now: float, *, limited: bool) -> int | None:
+        """The new window if it moves now, else None; `limited`: the window is what holds
+        queued requests back. Call often: it acts once per interval."""
         if now < self.next_at:
             return None
         self.next_at = now + INTERVAL_S
         for stats in self._classes.values():
             stats.close_interval()
-        limited = bool(queued) and in_flight >= self.window
         window: int | None = self._engine_bound(now, limited)
         protecting = self._protected(now)
         if protecting is not None and window is not None and window >= self.window:
