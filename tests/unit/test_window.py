@@ -19,14 +19,14 @@ def controller(window: int = 8, minimum: int = 2, maximum: int = 64) -> WindowCo
 
 
 def step(c: WindowController, now: float, *, latency: dict[int, float] | None = None,
-         limited: bool = True, load: EngineLoad | None = IDLE) -> int:
+         limited: bool = True, load: EngineLoad | None = IDLE, queued: frozenset[int] = frozenset({BATCH})) -> int:
     """One interval: the given classes each report a few dispatches, then the decision."""
     if load is not None:
         c.engine_load(load, now)
     for level, seconds in (latency or {BATCH: 0.1}).items():
         for _ in range(3):
             c.latency(level, seconds, now)
-    c.decide(now + INTERVAL_S, limited=limited)
+    c.decide(now + INTERVAL_S, limited=limited, queued_levels=queued)
     return c.window
 
 
@@ -95,6 +95,8 @@ def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_floo
     assert step(c, 5, latency={CRITICAL: 0.5, BATCH: 0.2}) == 13
     # Bounded below.
     assert [step(c, 6 + i, latency={CRITICAL: 0.5, BATCH: 0.2}) for i in range(4)][-1] == 2
+    # Critical itself queued in the gateway: its share is too small, the window grows.
+    assert step(c, 10, latency={CRITICAL: 0.5, BATCH: 0.2}, queued=frozenset({CRITICAL, BATCH})) == 3
 
 
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:

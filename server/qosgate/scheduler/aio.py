@@ -118,7 +118,8 @@ class Scheduler:
             controller.latency(self._core.level(waiter.klass), seconds, self._clock.now())
 
     def _resize(self, model: str, controller: WindowController) -> None:
-        window = controller.decide(self._clock.now(), limited=self._core.window_limits(model))
+        limited, queued_levels = self._core.window_pressure(model)
+        window = controller.decide(self._clock.now(), limited=limited, queued_levels=queued_levels)
         if window is not None:
             self._resolve(self._core.resize(model, window, self._clock.now()))
 

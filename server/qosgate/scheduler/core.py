@@ -427,12 +427,14 @@ class SchedulingCore:
         model.queued -= 1
         return True
 
-    def window_limits(self, model_name: str) -> bool:
-        """Whether the window is what holds a model's queued requests back: some class has
-        work queued while its share of the window is full (a lower class never fills the
-        whole window: the nested reservation keeps slots for the classes above)."""
+    def window_pressure(self, model_name: str) -> tuple[bool, frozenset[int]]:
+        """Whether the window is what holds a model's queued requests back (some class has
+        work queued while its share of the window is full: a lower class never fills the
+        whole window, the nested reservation keeps slots for the classes above), and the
+        levels of the classes with work queued."""
         model = self._queues(model_name)
-        return any(k.live and model.in_flight >= k.window for k in model.classes)
+        limited = any(k.live and model.in_flight >= k.window for k in model.classes)
+        return limited, frozenset(i for i, k in enumerate(model.classes) if k.live)
 
     def snapshot(self) -> SchedulerSnapshot:
         queued: dict[tuple[str, str, str], int] = {}

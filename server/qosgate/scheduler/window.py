@@ -16,8 +16,10 @@ saturation detector and of Netflix's gradient concurrency limiters):
   for the highest class's latency. While a higher class and a lower one are both active,
   the window follows the gradient of the higher class's first-response latency against
   its unloaded baseline: above LATENCY_TOLERANCE x baseline it shrinks in proportion
-  (by at most half), below it may grow. With one class active there is nobody to
-  protect: the window sizes for throughput alone.
+  (by at most half), below it may grow. It also grows while that class itself waits
+  in the gateway's queue: then its share of the window is too small for it, and a
+  smaller window would only add queueing to its latency. With one class active there
+  is nobody to protect: the window sizes for throughput alone.
 
 The baseline of a class is the lowest median of an interval's samples seen, whatever
 else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
@@ -113,18 +115,22 @@ class WindowController:
         elif self.waiting_since is None:
             self.waiting_since = now
 
-    def decide(self, now: float, *, limited: bool) -> int | None:
+    def decide(self, now: float, *, limited: bool, queued_levels: frozenset[int] = frozenset()) -> int | None:
         """The new window if it moves now, else None; `limited`: the window is what holds
-        queued requests back. Call often: it acts once per interval."""
+        queued requests back; `queued_levels`: the classes with requests queued in the
+        gateway. Call often: it acts once per interval."""
         if now < self.next_at:
             return None
         self.next_at = now + INTERVAL_S
         for stats in self._classes.values():
             stats.close_interval()
         window: int | None = self._engine_bound(now, limited)
-        protecting = self._protected(now)
-        if protecting is not None and window is not None and window >= self.window:
-            window = self._latency_bound(protecting, limited)
+        protected = self._protected(now)
+        if protected is not None and window is not None and window >= self.window:
+            level, stats = protected
+            # The protected class waiting in the gateway's queue: its share of the window
+            # is too small for it, and shrinking would only make it wait longer.
+            window = self._grown() if level in queued_levels else self._latency_bound(stats, limited)
         if window is None or window == self.window:
             return None
         if window < self.window:
@@ -141,12 +147,12 @@ class WindowController:
             return max(self.minimum, int(self.window * DECREASE))
         return self._grown() if limited else self.window
 
-    def _protected(self, now: float) -> _ClassLatency | None:
+    def _protected(self, now: float) -> tuple[int, _ClassLatency] | None:
         """The highest active class while a lower one is active too, else None."""
         active = sorted(level for level, s in self._classes.items() if now - s.last_at <= ACTIVE_S)
         if len(active) < 2:
             return None
-        return self._classes[active[0]]
+        return active[0], self._classes[active[0]]
 
     def _latency_bound(self, stats: _ClassLatency, limited: bool) -> int | None:
         recent = stats.recent_s
