@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 import time
 from types import ModuleType
 
@@ -41,6 +42,8 @@ from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
+from qosgate.relay.infer_policy import InferAdmissionPolicy
+from qosgate.relay.server import Relay
 from qosgate.scheduler import Scheduler
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
@@ -98,6 +101,7 @@ class Gateway:
             routing=lambda model: config.model_policy(model).routing,
             metrics=self.metrics,
         )
+        self._health_check_interval_s = health_check_interval_s
         self.scheduler = Scheduler(config, self.clock)
         self._engine_load = EngineLoadReader(
             ((u.name, u.metrics_url) for u in config.upstreams if u.metrics_url),
@@ -161,6 +165,8 @@ class Gateway:
         self._serve_metrics = serve_metrics
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._server: grpc.aio.Server | None = None
+        self._relay: Relay | None = None
+        self._grpcio_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port: int | None = None
 
     @staticmethod
@@ -232,13 +238,22 @@ class Gateway:
             server,
         )
         tls = self.config.tls
-        self.port = (
-            server.add_secure_port(self.config.listen, server_credentials(tls))
-            if tls is not None
-            else server.add_insecure_port(self.config.listen)
-        )
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.listen}")
+        relayed = self.config.kserve_path == "relay"
+        if relayed:
+            # The relay owns `listen` and hands every call it does not relay to this
+            # server, which only it can reach.
+            self._grpcio_dir = tempfile.TemporaryDirectory(prefix="qosgate-grpcio-")
+            grpcio_address = f"unix:{self._grpcio_dir.name}/grpcio.sock"
+            if server.add_insecure_port(grpcio_address) == 0:
+                raise OSError(f"cannot listen on {grpcio_address}")
+        else:
+            self.port = (
+                server.add_secure_port(self.config.listen, server_credentials(tls))
+                if tls is not None
+                else server.add_insecure_port(self.config.listen)
+            )
+            if self.port == 0:
+                raise OSError(f"cannot listen on {self.config.listen}")
 
         self.pool.on_health_change(self._publish_health)
         await self._publish_health(False)
@@ -270,6 +285,8 @@ class Gateway:
             await self.openai.start()
         await server.start()
         self._server = server
+        if relayed:
+            self.port = await self._start_relay(grpcio_address)
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
@@ -281,6 +298,31 @@ class Gateway:
             self.config.metrics_listen if self._serve_metrics else "(off)",
             self.config.summary(),
         )
+
+    async def _start_relay(self, grpcio_address: str) -> int:
+        """`kserve_path: relay`: ModelInfer relayed to Triton under the gateway's policy,
+        every other call to the grpcio server; returns the listening port."""
+        relay = self._relay = Relay(max_message_size=self.config.limits.max_request_bytes)
+        upstream = self.config.upstreams[0]
+        triton = relay.upstream(upstream.url)
+        grpcio = relay.upstream(grpcio_address, connections=1)
+        await triton.start()
+        await grpcio.start()
+        policy = InferAdmissionPolicy(
+            config=self.config,
+            directory=self.directory,
+            admission=self.admission,
+            scheduler=self.scheduler,
+            metrics=self.metrics,
+            clock=self.clock,
+            upstream=triton,
+            upstream_name=upstream.name,
+            retry_after_s=self._health_check_interval_s,
+        )
+        relay.route(f"/{KSERVE_SERVICE}/ModelInfer".encode(), triton, policy)
+        relay.route(b"/", grpcio)
+        host, _, port = self.config.listen.rpartition(":")
+        return await relay.listen(host.strip("[]"), int(port))
 
     def reload(self, new: GatewayConfig) -> list[str]:
         """Apply `new`'s tenants now: keys, weights, classes, models, limits, budgets.
@@ -309,6 +351,9 @@ class Gateway:
         if self.openai is not None:
             await self.openai.stop()
             self.openai = None
+        if self._relay is not None:
+            await self._relay.close()
+            self._relay = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -327,6 +372,9 @@ class Gateway:
         self.openai_files.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
+        if self._grpcio_dir is not None:
+            self._grpcio_dir.cleanup()
+            self._grpcio_dir = None
             self._metrics_endpoint = None
 
 

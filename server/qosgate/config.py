@@ -615,6 +615,11 @@ class GatewayConfig(_Frozen):
     """Message sizes, streams per tenant and stream buffers (see `ResourceLimits`)."""
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     """The OpenAI-compatible HTTP API."""
+    kserve_path: Literal["grpcio", "relay"] = "grpcio"
+    """How ModelInfer reaches Triton: `grpcio` (a gRPC call per request), or `relay` (the
+    HTTP/2 relay, qosgate.relay, moving frames on persistent connections; every other RPC
+    then goes to the grpcio server over a unix socket). A migration switch: plaintext
+    listener and one plaintext upstream only, for now."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
@@ -643,6 +648,12 @@ class GatewayConfig(_Frozen):
             if upstream.name in seen_upstreams:
                 yield _FieldProblem(f"upstreams[{i}].name", f"duplicate upstream {upstream.name!r}")
             seen_upstreams.add(upstream.name)
+
+        if self.kserve_path == "relay":
+            if self.tls is not None:
+                yield _FieldProblem("kserve_path", "the relay does not terminate TLS yet: unset tls")
+            if len(self.upstreams) != 1 or self.upstreams[0].tls is not None:
+                yield _FieldProblem("kserve_path", "the relay serves exactly one plaintext upstream for now")
 
         sched = self.scheduler
         for klass, share in sched.floor_share_by_class.items():

@@ -34,7 +34,7 @@ class CallHead:
     path: bytes
     headers: Sequence[Header]
     first_message: bytes  # uncompressed; empty when the caller sent no message
-    deadline: float | None  # event-loop time from grpc-timeout, None without one
+    timeout: float | None  # seconds left from grpc-timeout when asked; None without one
 
     def header(self, name: bytes) -> bytes | None:
         """The last value of a header (lower-case name), as gRPC metadata merges them."""

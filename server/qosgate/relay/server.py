@@ -201,7 +201,8 @@ class Call:
 
     def decide(self, message: bytes, first: framing.FirstMessage | None = None) -> None:
         assert self.route is not None and self.route.policy is not None
-        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, self.deadline)
+        left = None if self.deadline is None else self.deadline - self.down.relay.loop.time()
+        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, left)
         try:
             decision = self.route.policy(head)
         except Exception:

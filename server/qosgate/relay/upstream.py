@@ -42,7 +42,7 @@ class UpstreamConnection(Peer):
         self.name = name
         self.streams: dict[int, StreamListener] = {}
         self.draining_away = False  # the server sent GOAWAY: no new streams here
-        self.ready = asyncio.get_running_loop().create_future()
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def open_stream(
         self, headers: Sequence[http2.Header], listener: StreamListener, *, end_stream: bool
@@ -112,9 +112,15 @@ class UpstreamPool:
         self._stopping = False
 
     async def start(self) -> None:
-        """Open the connections (fails if the upstream is not there), then keep them open."""
+        """Open the connections, then keep them open; an upstream not there yet is retried
+        in the background (calls meanwhile are UNAVAILABLE)."""
         for _ in range(self._size):
-            self._connections.append(await self._connect())
+            try:
+                self._connections.append(await self._connect())
+            except OSError as e:
+                log.warning("upstream %s: not reachable yet (%s)", self.address, e)
+                self._wake.set()
+                break
         self._keeper = asyncio.create_task(self._keep_open(), name=f"relay-upstream {self.address}")
 
     async def stop(self) -> None:
@@ -154,6 +160,8 @@ class UpstreamPool:
         while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
+            while len(self._connections) < self._size:
+                self._connections.append(UpstreamConnection(self._flusher, self.address))  # closed
             for index, conn in enumerate(self._connections):
                 if conn.usable:
                     continue
