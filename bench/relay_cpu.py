@@ -30,16 +30,18 @@ MODEL = "identity"
 def serve(listen_port: int, upstream: str) -> None:
     import uvloop
 
+    from qosgate.config import ResourceLimits
     from qosgate.relay.policy import CallHead, Forward
     from qosgate.relay.server import Relay
     from qosgate.services import infer_wire
 
     append = infer_wire.priority_fragment(2)
+    max_fields = ResourceLimits().max_request_fields
 
     def policy(head: CallHead) -> Forward:
         head.header(b"authorization")
         if head.method == "ModelInfer":
-            infer_wire.peek_request(head.first_message)
+            infer_wire.peek_request(head.first_message, max_fields)
         return Forward(append=append if head.method == "ModelInfer" else b"")
 
     async def main() -> None:

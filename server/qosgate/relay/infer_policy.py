@@ -77,7 +77,7 @@ class InferAdmissionPolicy:
             ]
             tenant = self._directory.identify(metadata)
             labels[1] = tenant.name
-            request = _peek(head.first_message)
+            request = _peek(head.first_message, self._config.limits.max_request_fields)
             self._directory.require_model(tenant, request.model_name)
             klass = self._directory.resolve_class(tenant, dict(metadata).get(PRIORITY_HEADER))
             labels[0], labels[2] = request.model_name, klass
@@ -152,11 +152,11 @@ async def _release(slot: AbstractAsyncContextManager[Dispatch], permit: Permit) 
         await permit.release()
 
 
-def _peek(raw: bytes) -> infer_wire.InferRequestHead:
+def _peek(raw: bytes, max_fields: int) -> infer_wire.InferRequestHead:
     try:
-        head = infer_wire.peek_request(raw)
-    except infer_wire.WireError:
-        raise errors.InvalidArgument("malformed ModelInferRequest") from None
+        head = infer_wire.peek_request(raw, max_fields)
+    except infer_wire.WireError as e:
+        raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
     if not head.model_name:
         raise errors.InvalidArgument("ModelInferRequest has no model_name")
     return head
