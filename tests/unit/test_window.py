@@ -75,6 +75,15 @@ def test_a_stale_engine_reading_is_ignored() -> None:
     assert step(c, 60, load=None) == 16
 
 
+def test_without_engine_signals_latency_bounds_even_one_class() -> None:
+    c = controller(window=8)
+    step(c, 0, latency={BATCH: 0.05}, limited=False, load=None)
+    assert step(c, 1, latency={BATCH: 0.06}, load=None) == 16  # within tolerance: grows
+    # A batcher past its capacity: latency grows with the window, which shrinks back,
+    # so requests keep queueing in the gateway, where fair share applies.
+    assert step(c, 2, latency={BATCH: 0.2}, load=None) == 8
+
+
 def test_one_class_alone_sizes_for_throughput_however_slow_it_gets() -> None:
     c = controller(window=8)
     step(c, 0, latency={BATCH: 0.05}, limited=False)
@@ -153,6 +162,7 @@ async def test_one_lower_class_alone_grows_the_window_it_cannot_fill() -> None:
                 await asyncio.sleep(0)
                 clock.advance(0.05)
                 d.responded()
+                scheduler.engine_load("m", IDLE)  # an engine that keeps up
 
     await asyncio.gather(*(loop() for _ in range(64)))
     assert scheduler.snapshot().window["m"] == 64

@@ -19,7 +19,9 @@ saturation detector and of Netflix's gradient concurrency limiters):
   (by at most half), below it may grow. It also grows while that class itself waits
   in the gateway's queue: then its share of the window is too small for it, and a
   smaller window would only add queueing to its latency. With one class active there
-  is nobody to protect: the window sizes for throughput alone.
+  is nobody to protect: the window sizes for throughput alone, unless the engine exports
+  no saturation signal (a dynamic batcher such as minilm's): then that class's latency
+  is the only sign of saturation, and bounds the window the same way.
 
 The baseline of a class is the lowest median of an interval's samples seen, whatever
 else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
@@ -124,13 +126,17 @@ class WindowController:
         self.next_at = now + INTERVAL_S
         for stats in self._classes.values():
             stats.close_interval()
-        window: int | None = self._engine_bound(now, limited)
-        protected = self._protected(now)
+        load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
+        window: int | None = self._engine_bound(load, now, limited)
+        protected = self._protected(now, engine_known=load is not None)
         if protected is not None and window is not None and window >= self.window:
-            level, stats = protected
+            level, stats, alone = protected
             # The protected class waiting in the gateway's queue: its share of the window
             # is too small for it, and shrinking would only make it wait longer.
-            window = self._grown() if level in queued_levels else self._latency_bound(stats, limited)
+            if not alone and level in queued_levels:
+                window = self._grown()
+            else:
+                window = self._latency_bound(stats, limited)
         if window is None or window == self.window:
             return None
         if window < self.window:
@@ -138,8 +144,7 @@ class WindowController:
         self.window = window
         return window
 
-    def _engine_bound(self, now: float, limited: bool) -> int:
-        load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
+    def _engine_bound(self, load: EngineLoad | None, now: float, limited: bool) -> int:
         if load is not None and (
             (self.waiting_since is not None and now - self.waiting_since >= WAITING_PERSIST_S)
             or (load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH)
@@ -147,12 +152,14 @@ class WindowController:
             return max(self.minimum, int(self.window * DECREASE))
         return self._grown() if limited else self.window
 
-    def _protected(self, now: float) -> tuple[int, _ClassLatency] | None:
-        """The highest active class while a lower one is active too, else None."""
+    def _protected(self, now: float, *, engine_known: bool) -> tuple[int, _ClassLatency, bool] | None:
+        """The class whose latency bounds the window, and whether it is alone: the highest
+        active class while a lower one is active too; without an engine reading, also a
+        class alone (latency is then the only sign of saturation there is)."""
         active = sorted(level for level, s in self._classes.items() if now - s.last_at <= ACTIVE_S)
-        if len(active) < 2:
-            return None
-        return active[0], self._classes[active[0]]
+        if len(active) >= 2 or (active and not engine_known):
+            return active[0], self._classes[active[0]], len(active) == 1
+        return None
 
     def _latency_bound(self, stats: _ClassLatency, limited: bool) -> int | None:
         recent = stats.recent_s
