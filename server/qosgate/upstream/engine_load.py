@@ -12,7 +12,7 @@ metrics read (the first family found wins):
 | NVIDIA's TensorRT-LLM backend   | `nv_trt_llm_request_metrics{request_type="waiting"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
 
 All carry a `model` label (Triton's model name). A model none of them names has no
-engine reading: its window moves on dispatch latency alone.
+engine reading: its window is bounded by dispatch latency alone.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ _WAITING = ("vllm_engine_requests_waiting", "vllm:num_requests_waiting")
 _KV_USAGE = ("vllm_engine_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _TRTLLM_REQUESTS = "nv_trt_llm_request_metrics"
 _TRTLLM_KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
+# Only a model with an engine's metrics has a reading: Triton's own (nv_inference_*)
+# cover every model, and say nothing about an engine's saturation.
+_ENGINE_PREFIXES = ("vllm_engine_", "vllm:", "nv_trt_llm_")
 
 
 @dataclass(slots=True)
@@ -51,10 +54,10 @@ def parse_engine_load(text: str) -> dict[str, EngineLoad]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             model = sample.labels.get("model")
-            if model is None:
+            name = sample.name
+            if model is None or not name.startswith(_ENGINE_PREFIXES):
                 continue
             reading = readings.setdefault(model, _Reading())
-            name = sample.name
             if name in _WAITING:
                 reading.waiting += sample.value
             elif name in _KV_USAGE:
