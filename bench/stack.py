@@ -316,7 +316,8 @@ def checked(stack: Stack) -> Iterator[Stack]:
         finally:
             groups = [p.pgid for p in (stack.nginx, stack.gateway) if p is not None]
             groups += [r.pid for r in stack.replicas if r.pid is not None]
-    left = leftover_processes(groups)
+    # Each replica's vLLM workers are reaped in turn, slowly on a busy machine.
+    left = leftover_processes(groups, grace=15.0 * max(1, len(stack.replicas)))
     if left:
         raise RuntimeError(f"process groups left behind: {left}")
 

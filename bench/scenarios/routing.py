@@ -35,10 +35,12 @@ TENANTS = 32
 CONCURRENCY = 16
 MAX_TOKENS = 8
 PREFIX_BYTES = 512
-# 16-token blocks: 16k tokens of KV cache per replica. The 32 system prompts (2.5 KB,
-# about 600 tokens each) take about 19k, so one replica cannot hold them all; half of them
-# (what prefix_affinity sends it) fit.
-KV_BLOCKS = 1024
+# 16k tokens of KV cache per replica, in vLLM's CPU blocks of 128 tokens. A system prompt
+# (2.5 KB, about 600 tokens) fills 4 blocks: one replica's cache, next to the calls
+# running, holds about 22 of the 32 prefixes; half of them (what prefix_affinity sends it)
+# fit.
+CPU_BLOCK_TOKENS = 128
+KV_BLOCKS = 16_384 // CPU_BLOCK_TOKENS
 CALLER = load.Caller("routing", api_key="bench-routing-key")
 GATEWAY_TENANTS = [{"name": "routing", "api_keys": [{"key": CALLER.api_key}]}]
 POLICIES = ("prefix_affinity", "least_loaded")
@@ -128,9 +130,10 @@ async def measure(url: str, run: Run, warmup: float, seconds: float) -> None:
 def run(ctx: RunContext) -> ScenarioResult:
     warmup, seconds = ctx.pick((15.0, 30.0), (30.0, 120.0))
     notes = [f"Two Triton replicas of smollm2 (vLLM, prefix caching on, KV cache cut to {KV_BLOCKS} blocks "
-             f"of 16 tokens each), {TENANTS} tenants with their own ~600-token system prompts, "
+             f"of {CPU_BLOCK_TOKENS} tokens), {TENANTS} tenants with their own ~600-token system prompts, "
              f"{CONCURRENCY} concurrent GenerateStream chat calls of {MAX_TOKENS} tokens, each from a random "
-             f"tenant; per policy {warmup:.0f} s warm-up, {seconds:.0f} s counted. prefix_affinity runs first, "
+             f"tenant; {warmup:.0f} s of engine warm-up, then per policy {warmup:.0f} s warm-up and {seconds:.0f} s "
+             "counted. prefix_affinity runs first, "
              "so least_loaded starts on caches its rival sorted (in its favour). Both replicas share the "
              "machine's 2 cores: absolute numbers are noisy, compare the policies."]
     runs = [Run(policy) for policy in POLICIES]
@@ -140,6 +143,10 @@ def run(ctx: RunContext) -> ScenarioResult:
     with tempfile.TemporaryDirectory(prefix="qosgate-bench-routing-") as tmp, \
             checked(Stack(models=[MODEL], model_repository=small_cache_repository(pathlib.Path(tmp)),
                           replicas=2)) as stack:
+        # First calls of a fresh engine are slow (warm-up of its kernels): pay for them
+        # before either policy is measured.
+        url = stack.start_gateway(tenants=GATEWAY_TENANTS, models={MODEL: {"dispatch_window": 2 * CONCURRENCY}})
+        asyncio.run(measure(url, Run("engine warm-up"), 0.0, warmup))
         for r in runs:
             stack.wait_idle(MODEL)
             routing = {"policy": r.policy, "prefix_bytes": PREFIX_BYTES}

@@ -21,7 +21,7 @@ Two policies, chosen per model (`models.<name>.routing.policy`):
 
 How this meets the engines' caches: vLLM's automatic prefix caching (on by default in
 vLLM's V1 engine; our backend sets `enable_prefix_caching` in model.json) keeps KV blocks
-of `block_size` tokens (16) keyed by the hash of every token before them, so a later
+of `block_size` tokens (16 on GPUs, 128 on CPUs) keyed by the hash of every token before them, so a later
 prompt reuses all the full blocks it shares from its first token on, and only on the
 replica that computed them. TensorRT-LLM's KV cache reuse (`enable_kv_cache_reuse` in
 its KvCacheConfig, paged context FMHA) works the same way on blocks of
