@@ -180,7 +180,7 @@ async def drive_pair(url: str, fair_share: str, warmup: float, seconds: float) -
             model=LLM, prompt=COUNTING_PROMPT,
             sampling=generation_pb2.SamplingParams(max_tokens=PAIR[name], temperature=0.0))
         # The deadline is the end of the run: a long generation is cut there, not awaited.
-        send = lambda: target.generate_stream(caller, request, max(0.1, until - target.now()))  # noqa: E731
+        send = lambda: target.generate_stream(caller, request, max(1.0, until - target.now()))  # noqa: E731
         for outcome in await load.closed_loop(send, PAIR_STREAMS, until, target.now):
             events[name] += _service_events(outcome)
 

@@ -107,8 +107,9 @@ async def phases(url: str, run: Run, warmup: float, settle: float, seconds: floa
 
     def stream(caller: load.Caller, req: service_pb2.ModelInferRequest, until: float) -> load.Send:
         # The phase's end is every stream's deadline: what is still queued then is dropped
-        # by the gateway, not served into the next phase.
-        return lambda: target.stream(caller, req, max(0.1, until - target.now()))
+        # by the gateway, not served into the next phase. At least a second: a deadline
+        # that ends the call between its write and its close fails the client's close.
+        return lambda: target.stream(caller, req, max(1.0, until - target.now()))
 
     try:
         begin = target.now()
