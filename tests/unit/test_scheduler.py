@@ -13,6 +13,7 @@ from qosgate.auth import Tenant
 from qosgate.config import GatewayConfig, parse_config
 from qosgate.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
+from qosgate.scheduler.core import MAX_UNCONFIGURED_MODELS
 
 from tests.fakes import FakeClock, make_tenant
 
@@ -360,6 +361,27 @@ async def test_slot_fast_path_and_queued_wait() -> None:
     await task
     assert entered == [0.25]
     assert scheduler.snapshot().in_flight == {MODEL: 0}
+
+
+async def test_state_for_made_up_model_names_stays_bounded() -> None:
+    # A tenant may send any model name; each unconfigured one gets queues on first use.
+    scheduler = Scheduler(config(), FakeClock())
+    async with scheduler.slot(tenant=tenant(), klass="standard", model="busy", deadline=None):
+        for i in range(MAX_UNCONFIGURED_MODELS * 3):
+            async with scheduler.slot(
+                tenant=tenant(), klass="standard", model=f"made-up-{i}", deadline=None
+            ):
+                pass
+        in_flight = scheduler.snapshot().in_flight
+        assert len(in_flight) <= MAX_UNCONFIGURED_MODELS + 1  # + the configured MODEL at most
+        assert in_flight["busy"] == 1  # a model with a request in flight is never forgotten
+        assert f"made-up-{MAX_UNCONFIGURED_MODELS * 3 - 1}" in in_flight
+        assert "made-up-0" not in in_flight
+    async with scheduler.slot(tenant=tenant(), klass="standard", model=MODEL, deadline=None):
+        async with scheduler.slot(tenant=tenant(), klass="standard", model="x", deadline=None):
+            pass
+    # The configured model keeps its state however many others come and go.
+    assert MODEL in scheduler.snapshot().in_flight
 
 
 async def test_cancelled_waiter_leaves_the_queue() -> None:

@@ -155,6 +155,8 @@ class Scheduler:
         controller = self._controller(waiter.model)
         if controller is not None:
             self._resize(waiter.model, controller)
+        for model in self._core.forget_idle_models():
+            self._windows.pop(model, None)
 
     def _resolve(self, decided: Sequence[Waiter]) -> None:
         for waiter in decided:

@@ -254,6 +254,12 @@ the service each tenant attained, for metrics."""
     served: dict[tuple[str, str], float]
 
 
+# A model with no `models:` entry gets its queues on first use. A tenant sending made-up
+# model names must not grow that state without bound: past this many such models, the idle
+# ones (nothing queued or in flight) are forgotten, least recently created first.
+MAX_UNCONFIGURED_MODELS = 64
+
+
 class SchedulingCore:
     """Decides which waiter gets a model's next dispatch slot. Not thread-safe: one owner."""
 
@@ -265,6 +271,7 @@ class SchedulingCore:
         self._models: dict[str, _ModelQueues] = {}
         self._tenant_tokens: dict[str, int] = {}  # tokens in flight, per tenant
         self._served: dict[tuple[str, str], float] = {}
+        self._unconfigured: dict[str, None] = {}  # insertion-ordered set
 
     def _queues(self, model: str) -> _ModelQueues:
         queues = self._models.get(model)
@@ -286,7 +293,29 @@ class SchedulingCore:
                     for klass in config.classes
                 ],
             )
+            if model not in config.models:
+                self._unconfigured[model] = None
         return queues
+
+    def forget_idle_models(self) -> tuple[str, ...]:
+        """Forget idle models that have no `models:` entry while more than
+        MAX_UNCONFIGURED_MODELS of them hold state; returns the names forgotten."""
+        excess = len(self._unconfigured) - MAX_UNCONFIGURED_MODELS
+        if excess <= 0:
+            return ()
+        forgotten = []
+        for name in self._unconfigured:
+            model = self._models[name]
+            if model.in_flight == 0 and model.queued == 0:
+                forgotten.append(name)
+                if len(forgotten) == excess:
+                    break
+        for name in forgotten:
+            del self._unconfigured[name]
+            del self._models[name]
+            for tenant in [t for m, t in self._served if m == name]:
+                del self._served[(name, tenant)]
+        return tuple(forgotten)
 
     def _fits(self, waiter: Waiter) -> bool:
         """Whether dispatching `waiter` keeps its tenant within its in-flight token quota."""
