@@ -100,14 +100,27 @@ def repository_state(
 
 
 @pytest.fixture(scope="module")
-def gateway(triton) -> Iterator[GatewayThread]:
-    with GatewayThread(gateway_config(triton.ports.grpc_url)) as running:
+def cycling_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
+    """A Triton of this module's own: the test unloads one of its models, which must not
+    depend on (or disturb) what other modules did with the session's shared Triton."""
+    require_model(CYCLED)
+    require_model(CALLED)
+    ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
+    log = tmp_path_factory.mktemp("cycling-triton") / "tritonserver.log"
+    with LocalTriton(models=[CYCLED, CALLED], ports=ports, log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateway(cycling_triton: LocalTriton) -> Iterator[GatewayThread]:
+    with GatewayThread(gateway_config(cycling_triton.ports.grpc_url)) as running:
         yield running
 
 
-def test_loading_and_unloading_a_model_leaves_other_models_serving(triton, gateway) -> None:
-    require_model(CYCLED)
-    require_model(CALLED)
+def test_loading_and_unloading_a_model_leaves_other_models_serving(
+    cycling_triton: LocalTriton, gateway: GatewayThread
+) -> None:
+    triton = cycling_triton
     admin = bearer(ADMIN_KEY)
     tally = Tally()
     stop = threading.Event()
