@@ -227,7 +227,9 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_memory_returns_near_baseline_after_100_mib_requests_served_and_failed(triton, tmp_path) -> None:
+def test_memory_returns_near_baseline_after_100_mib_requests_and_20000_ordinary_ones(
+    triton, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
     require_model(MODEL)
     config = {
         "listen": f"127.0.0.1:{free_port()}",
@@ -258,7 +260,36 @@ def test_memory_returns_near_baseline_after_100_mib_requests_served_and_failed(t
                 with pytest.raises(grpcclient.InferenceServerException):
                     client.infer("no-such-model", [big], headers=bearer(ACME_KEY))
             # The heap is trimmed a moment after the last large message.
-            deadline = time.monotonic() + 30
-            while (grown := _rss_mb(pid) - baseline) > 40 and time.monotonic() < deadline:
-                time.sleep(0.5)
-        assert grown <= 40, f"gateway RSS still {grown:.0f} MB above its baseline of {baseline:.0f} MB"
+            after_big = _settled_growth(pid, baseline)
+        # Then many ordinary calls from several threads: nothing may accumulate per call.
+        with grpc.insecure_channel(gateway.target) as channel:
+            raw = identity_request(16)
+
+            def ordinary(calls: int) -> None:
+                for _ in range(calls):
+                    infer(channel, raw, ACME_KEY)
+
+            workers = [threading.Thread(target=ordinary, args=(ORDINARY_CALLS // 8,)) for _ in range(8)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+        after_ordinary = _settled_growth(pid, baseline)
+    with capsys.disabled():
+        print(
+            f"\ngateway RSS: baseline {baseline:.0f} MB; +{after_big:.0f} MB after 3 x 100 MiB served and 3 "
+            f"failed; +{after_ordinary:.0f} MB after {ORDINARY_CALLS} ordinary calls more"
+        )
+    assert after_big <= 40, f"gateway RSS still {after_big:.0f} MB above its baseline of {baseline:.0f} MB"
+    assert after_ordinary <= 40, f"gateway RSS {after_ordinary:.0f} MB above its baseline after ordinary calls"
+
+
+ORDINARY_CALLS = 20_000
+
+
+def _settled_growth(pid: int, baseline: float) -> float:
+    """RSS above `baseline` once it is back within 40 MB, or after 30 s of waiting for that."""
+    deadline = time.monotonic() + 30
+    while (grown := _rss_mb(pid) - baseline) > 40 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return grown
