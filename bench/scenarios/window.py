@@ -97,6 +97,26 @@ def _ttft_ms(outcomes: list[load.Outcome], lo: float, hi: float) -> list[float]:
     return [o.ttft * 1e3 for o in outcomes if o.ok and o.ttft is not None and lo <= o.start < hi]
 
 
+def _streams_until(target: load.Target, caller: load.Caller, req: service_pb2.ModelInferRequest,
+                   until: float) -> load.Send:
+    # The phase's end is every stream's deadline: what is still queued then is dropped by
+    # the gateway, not served into the next phase. At least a second: a deadline that
+    # ends the call between its write and its close fails the client's close.
+    return lambda: target.stream(caller, req, max(1.0, until - target.now()))
+
+
+async def warm_engine(url: str, seconds: float) -> None:
+    """64 streams, not counted: a fresh engine's first batches are slow (its kernels warm
+    up), and without this the first window measured pays for them."""
+    target = load.Target(url)
+    try:
+        until = target.now() + seconds
+        send = _streams_until(target, STANDARD, load.generation_request(MODEL, PROMPT, MAX_TOKENS), until)
+        await load.closed_loop(send, CONCURRENCY, until, target.now)
+    finally:
+        await target.close()
+
+
 async def phases(url: str, run: Run, warmup: float, settle: float, seconds: float) -> None:
     """Throughput of one class at 64 streams; critical streams alone; the same under a
     batch flood of 4 x 64, measured once the flood has settled in (the requests the window
@@ -105,28 +125,22 @@ async def phases(url: str, run: Run, warmup: float, settle: float, seconds: floa
     request = load.generation_request(MODEL, PROMPT, MAX_TOKENS)
     critical_request = load.generation_request(MODEL, PROMPT, CRITICAL_TOKENS)
 
-    def stream(caller: load.Caller, req: service_pb2.ModelInferRequest, until: float) -> load.Send:
-        # The phase's end is every stream's deadline: what is still queued then is dropped
-        # by the gateway, not served into the next phase. At least a second: a deadline
-        # that ends the call between its write and its close fails the client's close.
-        return lambda: target.stream(caller, req, max(1.0, until - target.now()))
-
     try:
         begin = target.now()
         until = begin + warmup + seconds
-        outcomes = await load.closed_loop(stream(STANDARD, request, until), CONCURRENCY, until, target.now)
+        outcomes = await load.closed_loop(_streams_until(target, STANDARD, request, until), CONCURRENCY, until, target.now)
         run.tokens_per_s = sum(begin + warmup <= t < until for o in outcomes for t in o.token_times) / seconds
 
         begin = target.now()
         until = begin + seconds
-        alone = await load.closed_loop(stream(CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
+        alone = await load.closed_loop(_streams_until(target, CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
                                        target.now)
         run.unloaded_ttft_ms = _ttft_ms(alone, begin, until)
 
         begin = target.now()
         until = begin + settle + seconds
-        flood = asyncio.ensure_future(load.closed_loop(stream(BATCH, request, until), FLOOD, until, target.now))
-        critical = await load.closed_loop(stream(CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
+        flood = asyncio.ensure_future(load.closed_loop(_streams_until(target, BATCH, request, until), FLOOD, until, target.now))
+        critical = await load.closed_loop(_streams_until(target, CRITICAL, critical_request, until), CRITICAL_STREAMS, until,
                                           target.now)
         await flood
         run.flood_ttft_ms = _ttft_ms(critical, begin + settle, until)
@@ -141,7 +155,8 @@ def run(ctx: RunContext) -> ScenarioResult:
              f"then {CRITICAL_STREAMS} `critical` streams of {CRITICAL_TOKENS} tokens alone ({seconds:.0f} s); "
              f"then the same next to {FLOOD} `batch` streams ({settle:.0f} s for the flood to settle in, "
              f"{seconds:.0f} s counted). Every window in one run, one gateway after the other on the same "
-             "Triton; closed loops, each phase's end is its streams' deadline."]
+             f"Triton, after {settle:.0f} s of engine warm-up at 64 streams; closed loops, each phase's end is "
+             "its streams' deadline."]
     runs = [Run("auto", {}), Run("fixed 4 (too small)", {"dispatch_window": 4}),
             Run("fixed 64 (too large)", {"dispatch_window": CONCURRENCY})]
     if not ctx.quick:
@@ -151,6 +166,8 @@ def run(ctx: RunContext) -> ScenarioResult:
         return ctx.result([Figure("auto tokens/s / best fixed", None, "%", Aim(">=", 95.0))], {}, notes)
     epoch = time.monotonic()
     with checked(Stack(models=[MODEL])) as stack:
+        asyncio.run(warm_engine(stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": CONCURRENCY}}),
+                                settle))
         for r in runs:
             stack.wait_idle(MODEL)
             url = stack.start_gateway(tenants=TENANTS, models={MODEL: r.policy})
