@@ -39,3 +39,47 @@ def make_tenant(name: str = "acme", **fields: Any) -> Tenant:
     }
     values.update(fields)
     return Tenant(name=name, **values)
+
+
+def recording_tracing() -> tuple[Any, Any]:
+    """A Tracing whose spans land in memory: (tracing, exporter); read
+    `exporter.get_finished_spans()`."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from qosgate.dataplane.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracing(provider), exporter
+
+
+def make_dataplane(config: Any, clock: Any, *, usage: Any = None, wall: float = 1_767_229_200.0) -> Any:
+    """A DataPlane over in-memory parts (quota store, usage ledger, metrics registry,
+    spans) for unit tests of the planes; `plane.metrics.registry` and `plane.spans` (the
+    in-memory exporter) show what it recorded."""
+    from qosgate.auth import TenantDirectory
+    from qosgate.dataplane.plane import DataPlane
+    from qosgate.metrics import GatewayMetrics
+    from qosgate.quota import Admission, InMemoryQuotaStore
+    from qosgate.quota.tokens import DailyTokenBudget
+    from qosgate.scheduler import Scheduler
+    from qosgate.usage import UsageLedger, UsageMeter
+
+    if usage is None:
+        usage = UsageMeter(UsageLedger(":memory:", wall_time=lambda: wall), wall_time=lambda: wall)
+    tracing, exporter = recording_tracing()
+    plane = DataPlane(
+        directory=TenantDirectory(config),
+        admission=Admission(InMemoryQuotaStore(), clock),
+        budget=DailyTokenBudget(wall_time=lambda: wall, totals=usage),
+        scheduler=Scheduler(config, clock),
+        usage=usage,
+        metrics=GatewayMetrics(known_models=config.models),
+        tracing=tracing,
+        clock=clock,
+    )
+    plane.spans = exporter  # type: ignore[attr-defined]
+    return plane

@@ -26,9 +26,12 @@ from qosgate import paths
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
 from qosgate.config import ConfigError, GatewayConfig, ResourceLimits, UpstreamConfig, load_config
-from qosgate.embedding import EmbeddingPlane
-from qosgate.generation import GenerationPlane
+from qosgate.dataplane.embedding import EmbeddingPlane
+from qosgate.dataplane.generation import GenerationPlane
+from qosgate.dataplane.plane import DataPlane
+from qosgate.dataplane.tracing import Tracing
 from qosgate.jobs.callbacks import HttpCallbackSender
+from qosgate.jobs.item_executor import PlaneItemExecutor
 from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.sqlite_store import SqliteJobStore
@@ -47,12 +50,12 @@ from qosgate.relay.server import Relay
 from qosgate.scheduler import Scheduler
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
-from qosgate.services.batch_items import PlaneItemExecutor
 from qosgate.services.edge import Edge, servicer_methods
-from qosgate.services.embedding import EmbeddingServicer, PoolEngineInfer
-from qosgate.services.generation import GenerationServicer, PoolEngineStreams
+from qosgate.services.embedding import EmbeddingServicer
+from qosgate.services.generation import GenerationServicer
 from qosgate.services.kserve import KServeService
 from qosgate.upstream import UpstreamPool
+from qosgate.upstream.engine import PoolEngineInfer, PoolEngineStreams
 from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
@@ -122,24 +125,20 @@ class Gateway:
         self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
         # With Redis, budgets and GetUsage count the day's usage of every gateway.
         self.usage = UsageMeter(self.ledger, wall_time=time.time, shared=self._shared_quota)
-        self.generation = GenerationPlane(
-            config=config,
+        self.tracing = Tracing.from_config(config.tracing)
+        # The one request path every API's calls take (dataplane/plane.py).
+        self.dataplane = DataPlane(
             directory=self.directory,
             admission=self.admission,
             budget=DailyTokenBudget(wall_time=time.time, totals=self.usage),
             scheduler=self.scheduler,
             usage=self.usage,
-            engine=PoolEngineStreams(self.pool),
+            metrics=self.metrics,
+            tracing=self.tracing,
             clock=self.clock,
         )
-        self.embedding = EmbeddingPlane(
-            config=config,
-            directory=self.directory,
-            admission=self.admission,
-            scheduler=self.scheduler,
-            engine=PoolEngineInfer(self.pool),
-            clock=self.clock,
-        )
+        self.generation = GenerationPlane(config=config, plane=self.dataplane, engine=PoolEngineStreams(self.pool))
+        self.embedding = EmbeddingPlane(config=config, plane=self.dataplane, engine=PoolEngineInfer(self.pool))
         self.jobs = self._job_store(config)
         self.batch_runner = JobRunner(
             self.jobs,
@@ -212,11 +211,9 @@ class Gateway:
         # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
         rpc_edge = Edge(self.directory, self.metrics)
         services = {
-            _service(generation_pb2, "GenerationService"): GenerationServicer(
-                self.generation, clock_now=self.clock.now, metrics=self.metrics
-            ),
+            _service(generation_pb2, "GenerationService"): GenerationServicer(self.generation),
             _service(admin_pb2, "AdminService"): AdminServicer(self.directory, self.usage),
-            _service(embedding_pb2, "EmbeddingService"): EmbeddingServicer(self.embedding, clock_now=self.clock.now),
+            _service(embedding_pb2, "EmbeddingService"): EmbeddingServicer(self.embedding),
             _service(batch_pb2, "BatchService"): BatchService(
                 directory=self.directory, store=self.jobs, runner=self.batch_runner, config=self.config.batch
             ),
@@ -280,7 +277,6 @@ class Gateway:
                     config=self.config.batch,
                     max_file_bytes=self.config.openai.max_file_bytes,
                 ),
-                metrics=self.metrics,
             )
             await self.openai.start()
         await server.start()
@@ -370,6 +366,7 @@ class Gateway:
         self.ledger.close()
         await self.jobs.close()
         self.openai_files.close()
+        self.tracing.shutdown()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
         if self._grpcio_dir is not None:

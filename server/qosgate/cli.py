@@ -8,9 +8,9 @@ import sys
 
 
 def _prepare_models(args: argparse.Namespace) -> int:
-    from qosgate import models
+    from qosgate import weights
 
-    models.prepare(force=args.force)
+    weights.prepare(force=args.force)
     return 0
 
 

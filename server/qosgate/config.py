@@ -575,6 +575,24 @@ class OpenAIConfig(_Frozen):
     """Largest JSON body of the other endpoints."""
 
 
+class TracingConfig(_Frozen):
+    """OpenTelemetry traces of every inference call (a span per call; children for the
+    queue wait, the upstream call and the time to first token). Off by default; a
+    caller's W3C `traceparent` is forwarded to Triton either way."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector address (`host:port` or `http://host:port`); unset: no spans
+    are recorded or exported."""
+    insecure: bool = True
+    """Plaintext OTLP (a collector on the same host or network); false: TLS with the
+    system's CAs."""
+    service_name: str = "qosgate"
+    """The `service.name` resource attribute of the exported spans."""
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Share of calls traced when the caller sent no sampling decision (parent-based
+    otherwise: a caller's sampled `traceparent` is always traced)."""
+
+
 class GatewayConfig(_Frozen):
     """The whole gateway configuration (see README, section `config`)."""
 
@@ -615,6 +633,8 @@ class GatewayConfig(_Frozen):
     """Message sizes, streams per tenant and stream buffers (see `ResourceLimits`)."""
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     """The OpenAI-compatible HTTP API."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """OpenTelemetry tracing and its OTLP exporter (off by default)."""
     kserve_path: Literal["grpcio", "relay"] = "grpcio"
     """How ModelInfer reaches Triton: `grpcio` (a gRPC call per request), or `relay` (the
     HTTP/2 relay, qosgate.relay, moving frames on persistent connections; every other RPC

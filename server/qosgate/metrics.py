@@ -151,6 +151,13 @@ class GatewayMetrics:
             ("model", "upstream", "result"),
             registry=self.registry,
         )
+        self._tokens = Counter(
+            "qosgate_tokens",
+            "LLM tokens the engines counted for finished generations, by model, tenant and "
+            "kind (prompt, completion)",
+            ("model", "tenant", "kind"),
+            registry=self.registry,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
@@ -189,6 +196,11 @@ class GatewayMetrics:
 
     def upstream_latency(self, upstream: str, model: str, seconds: float) -> None:
         self._child(self._upstream_latency, (upstream, self.model_label(model))).observe(seconds)
+
+    def tokens(self, model: str, tenant: str, prompt: int, completion: int) -> None:
+        label = self.model_label(model)
+        self._child(self._tokens, (label, tenant, "prompt")).inc(prompt)
+        self._child(self._tokens, (label, tenant, "completion")).inc(completion)
 
     def routed(self, model: str, upstream: str, outcome: str) -> None:
         self._child(self._routed, (self.model_label(model), upstream, outcome)).inc()

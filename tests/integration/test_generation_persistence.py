@@ -16,7 +16,7 @@ import yaml
 from conftest import free_port, require_model
 from gateway_harness import GatewayProcess
 from qosgate.adapters.chat_template import ChatTemplate
-from qosgate.adapters.domain import ChatMessage, Role
+from qosgate.generation_types import ChatMessage, Role
 from qosgate.launcher import LocalTriton
 from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc

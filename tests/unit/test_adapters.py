@@ -20,7 +20,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from qosgate import paths
 from qosgate.adapters import adapter_for
 from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
-from qosgate.adapters.domain import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
+from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
 from qosgate.adapters.tokenizer import TokenizerNotFound, find_tokenizer, tokenizer_counter
 from qosgate.errors import InvalidArgument
 

@@ -20,6 +20,7 @@ from qosgate.config import (
     ListenerTlsConfig,
     ModelPolicy,
     OpenAIConfig,
+    TracingConfig,
     QuotaStoreConfig,
     ResourceLimits,
     RoutingConfig,

@@ -8,13 +8,12 @@ import struct
 import pytest
 from qosgate.auth import TenantDirectory
 from qosgate.config import parse_config
-from qosgate.embedding import EmbeddingPlane
+from qosgate.dataplane.embedding import EmbeddingPlane
 from qosgate.errors import InvalidArgument, PermissionDenied
-from qosgate.quota import Admission, InMemoryQuotaStore
-from qosgate.scheduler import Scheduler
+from qosgate.upstream.engine import UpstreamObserver
 from tritonclient.grpc import service_pb2
 
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, make_dataplane
 
 CONFIG = parse_config(
     {
@@ -33,7 +32,7 @@ class FakeTriton:
         self.requests: list[service_pb2.ModelInferRequest] = []
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, observer: UpstreamObserver
     ) -> service_pb2.ModelInferResponse:
         self.requests.append(request)
         raw, texts, offset = request.raw_input_contents[0], [], 0
@@ -51,24 +50,16 @@ class FakeTriton:
 
 @pytest.fixture
 def plane_and_triton() -> tuple[EmbeddingPlane, FakeTriton, TenantDirectory]:
-    clock = FakeClock()
-    directory = TenantDirectory(CONFIG)
+    dataplane = make_dataplane(CONFIG, FakeClock())
     triton = FakeTriton()
-    plane = EmbeddingPlane(
-        config=CONFIG,
-        directory=directory,
-        admission=Admission(InMemoryQuotaStore(), clock),
-        scheduler=Scheduler(CONFIG, clock),
-        engine=triton,
-        clock=clock,
-    )
-    return plane, triton, directory
+    plane = EmbeddingPlane(config=CONFIG, plane=dataplane, engine=triton)
+    return plane, triton, dataplane.directory
 
 
 async def test_one_row_per_text_at_the_class_priority(plane_and_triton) -> None:  # type: ignore[no-untyped-def]
     plane, triton, directory = plane_and_triton
     tenant = directory.identify([("x-api-key", "k1")])
-    result = await plane.embed(tenant, "minilm", ["a", "bbb"], priority_class="batch")
+    result = await plane.embed("Embed", tenant, "minilm", ["a", "bbb"], priority_class="batch")
     assert result.vectors == [[1.0, 0.0], [3.0, 1.0]]
     (request,) = triton.requests
     assert list(request.inputs[0].shape) == [2, 1] and request.inputs[0].datatype == "BYTES"
@@ -79,7 +70,7 @@ async def test_refusals_happen_before_dispatch(plane_and_triton) -> None:  # typ
     plane, triton, directory = plane_and_triton
     tenant = directory.identify([("x-api-key", "k1")])
     with pytest.raises(PermissionDenied):
-        await plane.embed(tenant, "smollm2", ["a"])
+        await plane.embed("Embed", tenant, "smollm2", ["a"])
     with pytest.raises(InvalidArgument):
-        await plane.embed(tenant, "minilm", [])
+        await plane.embed("Embed", tenant, "minilm", [])
     assert triton.requests == []

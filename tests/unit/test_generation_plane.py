@@ -12,18 +12,18 @@ from collections.abc import AsyncGenerator
 import pytest
 from tritonclient.grpc import service_pb2
 
-from qosgate.adapters.domain import ChatMessage, FinishReason, Role
-from qosgate.auth import Tenant, TenantDirectory
+from qosgate.generation_types import ChatMessage, FinishReason, Role
+from qosgate.auth import Tenant
 from qosgate.config import parse_config
 from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
-from qosgate.generation import Finished, GenerationCall, GenerationPlane, RouteHint
-from qosgate.quota import Admission, InMemoryQuotaStore
-from qosgate.quota.tokens import DailyTokenBudget
+from qosgate.dataplane.generation import Finished, GenerationCall, GenerationPlane
 from qosgate.scheduler import Scheduler
 from qosgate.usage import UsageLedger, UsageMeter, UsageRecord
-from tests.fakes import FakeClock
+from qosgate.upstream.engine import UpstreamObserver
+from tests.fakes import FakeClock, make_dataplane
 
 DAY0 = 1_767_225_600.0
+RPC = "Generate"
 
 
 def _response(text: str, tokens: int, *, final: bool = False, reason: str = "") -> service_pb2.ModelInferResponse:
@@ -49,16 +49,23 @@ class FakeEngine:
         self.responses = responses
         self.fail_first = fail_first
         self.requests: list[service_pb2.ModelInferRequest] = []
-        self.routes: list[RouteHint] = []
+        self.routes: list[tuple[str, str | None]] = []  # (prompt, session) per request
         self.closed = 0
         self.hold = asyncio.Event()
         self.hold.set()
 
     async def open(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, route: RouteHint
+        self,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float | None,
+        observer: UpstreamObserver,
+        *,
+        prompt: str,
+        session: str | None = None,
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
         self.requests.append(request)
-        self.routes.append(route)
+        self.routes.append((prompt, session))
+        observer.upstream_started("fake")
         try:
             if self.fail_first is not None:
                 failure, self.fail_first = self.fail_first, None
@@ -68,6 +75,7 @@ class FakeEngine:
                     await self.hold.wait()
                 yield response
         finally:
+            observer.upstream_finished()
             self.closed += 1
 
 
@@ -98,30 +106,20 @@ def _plane(
             ],
         }
     )
-    clock = FakeClock()
     ledger = ledger or UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
     usage = UsageMeter(ledger, wall_time=lambda: DAY0 + 3600)
-    scheduler = Scheduler(config, clock)
-    plane = GenerationPlane(
-        config=config,
-        directory=TenantDirectory(config),
-        admission=Admission(InMemoryQuotaStore(), clock),
-        budget=DailyTokenBudget(wall_time=lambda: DAY0 + 3600, totals=usage),
-        scheduler=scheduler,
-        usage=usage,
-        engine=engine,
-        clock=clock,
-    )
-    return plane, ledger, scheduler
+    dataplane = make_dataplane(config, FakeClock(), usage=usage, wall=DAY0 + 3600)
+    plane = GenerationPlane(config=config, plane=dataplane, engine=engine)
+    return plane, ledger, dataplane.scheduler
 
 
 def _acme(plane: GenerationPlane) -> Tenant:
     """The test tenant, as the edge identifies it from its key."""
-    return plane._directory.identify([("authorization", "Bearer k-acme")])
+    return plane.dataplane.directory.identify([("authorization", "Bearer k-acme")])
 
 
 async def _collect(plane: GenerationPlane, call: GenerationCall) -> list[str | Finished]:
-    async with contextlib.aclosing(plane.generate(_acme(plane), call)) as items:
+    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), call)) as items:
         return [item async for item in items]
 
 
@@ -160,19 +158,19 @@ async def test_the_route_hint_is_the_rendered_prompt_and_the_session_header() ->
     plane, _, _ = _plane(engine)
     system = ChatMessage(Role.SYSTEM, "You answer for acme.")
     call = GenerationCall(model="smollm2", messages=(system, ChatMessage(Role.USER, "Hi")))
-    async with contextlib.aclosing(plane.generate(_acme(plane), call, headers={"x-session-id": "s-7"})) as items:
+    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), call, headers={"x-session-id": "s-7"})) as items:
         [item async for item in items]
     await _collect(plane, call)
     rendered = "<|im_start|>system\nYou answer for acme.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-    assert [r.session for r in engine.routes] == ["s-7", None]
-    assert all(r.prompt.startswith(rendered) for r in engine.routes)
+    assert [session for _, session in engine.routes] == ["s-7", None]
+    assert all(prompt.startswith(rendered) for prompt, _ in engine.routes)
 
 
 async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -> None:
     engine = FakeEngine(STORY)
     engine.hold.clear()  # the engine is still generating when the caller leaves
     plane, ledger, scheduler = _plane(engine)
-    items = plane.generate(_acme(plane), GenerationCall(model="smollm2", prompt="Tell me"))
+    items = plane.generate(RPC, _acme(plane), GenerationCall(model="smollm2", prompt="Tell me"))
     assert await anext(items) == "Once"
     assert await anext(items) == " upon"
     assert scheduler.snapshot().in_flight["smollm2"] == 1

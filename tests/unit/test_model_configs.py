@@ -231,7 +231,7 @@ def test_compose_gateway_keeps_jobs_in_the_compose_postgres() -> None:
 
 def _adapter_request(adapter_name: str):
     """What the gateway's adapter sends to a model, with every optional setting used."""
-    from qosgate.adapters.domain import GenerationRequest, Sampling
+    from qosgate.generation_types import GenerationRequest, Sampling
     from qosgate.adapters.trtllm import TrtLlmEnsembleAdapter
     from qosgate.adapters.vllm import VllmAdapter
 

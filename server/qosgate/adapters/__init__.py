@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
-from qosgate.adapters.domain import GenerationChunk, GenerationRequest, TokenCounts
+from qosgate.generation_types import GenerationChunk, GenerationRequest, TokenCounts
 
 
 class ResponseDecoder(Protocol):

@@ -18,7 +18,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from qosgate.adapters.domain import ChatMessage
+from qosgate.generation_types import ChatMessage
 from qosgate.errors import InvalidArgument
 
 # ChatML, the format SmolLM2-Instruct (and Qwen, and many others) were tuned on.

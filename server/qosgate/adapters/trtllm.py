@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import service_pb2
 
-from qosgate.adapters.domain import FinishReason, GenerationChunk, GenerationRequest, TokenCounts
+from qosgate.generation_types import FinishReason, GenerationChunk, GenerationRequest, TokenCounts
 from qosgate.adapters.tensors import TensorReader, TensorWriter, is_final, stream_request
 
 _ONE = [1, 1]

@@ -13,7 +13,7 @@ import json
 
 from tritonclient.grpc import service_pb2
 
-from qosgate.adapters.domain import FinishReason, GenerationChunk, GenerationRequest, TokenCounts
+from qosgate.generation_types import FinishReason, GenerationChunk, GenerationRequest, TokenCounts
 from qosgate.adapters.tensors import TensorReader, TensorWriter, is_final, stream_request
 
 # vLLM's finish reasons; "abort" is what the engine reports for a cancelled request.

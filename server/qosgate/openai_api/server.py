@@ -12,7 +12,6 @@ stream does; a streaming response also notices at its next write.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,14 +24,13 @@ from aiohttp import BodyPartReader, web
 from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import OpenAIConfig
-from qosgate.embedding import EmbeddingPlane
-from qosgate.generation import CallLabels, Finished, GenerationPlane
-from qosgate.metrics import GatewayMetrics
+from qosgate.dataplane.embedding import EmbeddingPlane
+from qosgate.dataplane.generation import Finished, GenerationPlane
 from qosgate.openai_api import wire
 from qosgate.openai_api.batches import BatchCreateRequest, OpenAIBatches
 from qosgate.openai_api.errors import http_error
-from qosgate.services.generation import record_generation, to_call
 from qosgate.upstream import UpstreamPool
+from qosgate.v1_converters import to_call
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,6 @@ class OpenAIServer:
         embedding: EmbeddingPlane,
         pool: UpstreamPool,
         batches: OpenAIBatches,
-        metrics: GatewayMetrics,
     ) -> None:
         self._config = config
         self._directory = directory
@@ -67,7 +64,6 @@ class OpenAIServer:
         self._embedding = embedding
         self._pool = pool
         self._batches = batches
-        self._metrics = metrics
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -177,41 +173,24 @@ class OpenAIServer:
         proto.priority_class = self._priority(request, body.service_tier)
         call = to_call(proto, stream=body.stream)
         rpc = "openai.ChatCompletions" if chat else "openai.Completions"
-        labels = CallLabels()
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = wire.now()
+        tenant = self._tenant(request)
+        # The headers by name (the last of a repeated one): a routing session id, a traceparent.
+        headers = dict(_metadata(request))
         try:
-            tenant = self._tenant(request)
-            # The headers by name (the last of a repeated one), where routing finds a session id.
-            headers = dict(_metadata(request))
-            async with contextlib.aclosing(
-                self._generation.generate(tenant, call, labels=labels, headers=headers)
-            ) as items:
+            async with contextlib.aclosing(self._generation.generate(rpc, tenant, call, headers=headers)) as items:
                 if body.stream:
-                    response = await self._stream(request, items, body, chat, completion_id, created)
-                else:
-                    texts: list[str] = []
-                    async for item in items:
-                        if isinstance(item, Finished):
-                            result = wire.completion_of(chat, completion_id, body.model, created, "".join(texts), item)
-                            response = web.json_response(result)
-                            break
-                        texts.append(item)
-                    else:
-                        raise errors.Internal("generation ended without a result")
-        except (asyncio.CancelledError, ConnectionResetError):
-            # The client disconnected (its handler was cancelled, or a write found the
-            # connection closed); closing `items` above cancelled the engine request.
-            record_generation(self._metrics, rpc, body.model, labels, asyncio.CancelledError())
-            raise
+                    return await self._stream(request, items, body, chat, completion_id, created)
+                texts: list[str] = []
+                async for item in items:
+                    if isinstance(item, Finished):
+                        result = wire.completion_of(chat, completion_id, body.model, created, "".join(texts), item)
+                        return web.json_response(result)
+                    texts.append(item)
+                raise errors.Internal("generation ended without a result")
         except _StreamFailed as e:
-            record_generation(self._metrics, rpc, body.model, labels, e.error)
             return e.response
-        except Exception as e:
-            record_generation(self._metrics, rpc, body.model, labels, e)
-            raise
-        record_generation(self._metrics, rpc, body.model, labels, None)
-        return response
 
     async def _stream(
         self,
@@ -262,7 +241,12 @@ class OpenAIServer:
         tenant = self._tenant(request)
         proto = body.embed_request()
         result = await self._embedding.embed(
-            tenant, proto.model, list(proto.inputs), priority_class=self._priority(request, body.service_tier) or None
+            "openai.Embeddings",
+            tenant,
+            proto.model,
+            list(proto.inputs),
+            priority_class=self._priority(request, body.service_tier) or None,
+            headers=dict(_metadata(request)),
         )
         return web.json_response(wire.embeddings_of(body.model, result, body))
 

@@ -20,9 +20,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qosgate import errors
-from qosgate.adapters.domain import FinishReason
-from qosgate.embedding import Embeddings
-from qosgate.generation import Finished
+from qosgate.generation_types import FinishReason
+from qosgate.dataplane.embedding import Embeddings
+from qosgate.dataplane.generation import Finished
 from qosgate.v1 import embedding_pb2, generation_pb2
 
 MAX_STOP = 4

@@ -1,7 +1,7 @@
 """Who goes next: class priority with a floor, tenant fair share on each request's cost,
 per-model dispatch windows (fixed or self-sizing)."""
 
-from qosgate.scheduler.aio import Dispatch, Scheduler
+from qosgate.scheduler.aio import Dispatch, Scheduler, Slot
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.window import EngineLoad, WindowController
 
@@ -11,6 +11,7 @@ __all__ = [
     "Scheduler",
     "SchedulerSnapshot",
     "SchedulingCore",
+    "Slot",
     "Waiter",
     "WaiterState",
     "WindowController",

@@ -69,7 +69,7 @@ class Scheduler:
         deadline: float | None,
         cost: float = 1.0,
         tokens: int = 0,
-    ) -> _Slot:
+    ) -> Slot:
         """Wait for a dispatch slot of `model`; leaving the context frees it.
 
         `cost` is the request's estimated fair-share cost (`Dispatch.settle` corrects it);
@@ -90,7 +90,7 @@ class Scheduler:
             tokens=tokens,
             token_quota=tenant.limits.max_inflight_tokens if tokens else None,
         )
-        return _Slot(self, waiter)
+        return Slot(self, waiter)
 
     def snapshot(self) -> SchedulerSnapshot:
         return self._core.snapshot()
@@ -176,14 +176,21 @@ class Scheduler:
             )
 
 
-class _Slot:
-    """The async context manager returned by `Scheduler.slot`."""
+class Slot:
+    """The async context manager returned by `Scheduler.slot`; `release` frees the slot
+    before the context is left (once: leaving it then frees nothing more)."""
 
-    __slots__ = ("_scheduler", "_waiter")
+    __slots__ = ("_released", "_scheduler", "_waiter")
 
     def __init__(self, scheduler: Scheduler, waiter: Waiter) -> None:
         self._scheduler = scheduler
         self._waiter = waiter
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._scheduler._release(self._waiter)
 
     def __aenter__(self) -> Coroutine[None, None, Dispatch]:
         return self._scheduler._acquire(self._waiter)
@@ -194,4 +201,4 @@ class _Slot:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._scheduler._release(self._waiter)
+        self.release()

@@ -21,7 +21,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,9 @@ class StatusRow:
     reason: str  # the `reason` label of the rejection metric
 
 
-# Most specific first is not needed: the domain classes do not subclass each other.
+# The grpc form of the one table (`qosgate.error_table`), row by row.
 TABLE: dict[type[errors.GatewayError], StatusRow] = {
-    errors.Unauthenticated: StatusRow(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
-    errors.PermissionDenied: StatusRow(grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
-    errors.InvalidArgument: StatusRow(grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-    errors.QuotaExceeded: StatusRow(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota"),
-    errors.Unavailable: StatusRow(grpc.StatusCode.UNAVAILABLE, "unavailable"),
-    errors.DeadlineExceeded: StatusRow(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
-    errors.Cancelled: StatusRow(grpc.StatusCode.CANCELLED, "cancelled"),
-    errors.NotFound: StatusRow(grpc.StatusCode.NOT_FOUND, "not_found"),
-    errors.Internal: StatusRow(grpc.StatusCode.INTERNAL, "internal"),
+    klass: StatusRow(grpc.StatusCode[row.code], row.reason) for klass, row in error_table.TABLE.items()
 }
 
 _INTERNAL_ROW = TABLE[errors.Internal]

@@ -1,18 +1,17 @@
-"""The batch runner's ItemExecutor: a stored item request run through the same planes as
-the GenerationService and EmbeddingService calls, as the job's tenant, at the batch class.
-"""
+"""The batch runner's ItemExecutor: a stored item request (a qosgate.v1 message) run
+through the same planes as the GenerationService and EmbeddingService calls, as the job's
+tenant, at the batch class; counted in metrics as `batch.Generate` / `batch.Embed`."""
 
 from __future__ import annotations
 
 import contextlib
 
 from qosgate.auth import Tenant
-from qosgate.embedding import EmbeddingPlane
-from qosgate.generation import GenerationPlane
+from qosgate.dataplane.embedding import EmbeddingPlane
+from qosgate.dataplane.generation import GenerationPlane
 from qosgate.jobs.model import ItemKind
-from qosgate.services.embedding import embed_response
-from qosgate.services.generation import collect_response, to_call
 from qosgate.v1 import embedding_pb2, generation_pb2
+from qosgate.v1_converters import collect_response, embed_response, to_call
 
 
 class PlaneItemExecutor:
@@ -27,12 +26,12 @@ class PlaneItemExecutor:
             request = generation_pb2.GenerateRequest.FromString(payload)
             request.priority_class = klass
             async with contextlib.aclosing(
-                self._generation.generate(tenant, to_call(request, stream=False))
+                self._generation.generate("batch.Generate", tenant, to_call(request, stream=False))
             ) as items:
                 response = await collect_response(items)
             return response.SerializeToString()
         embed = embedding_pb2.EmbedRequest.FromString(payload)
         result = await self._embedding.embed(
-            tenant, embed.model, list(embed.inputs), priority_class=klass
+            "batch.Embed", tenant, embed.model, list(embed.inputs), priority_class=klass
         )
         return embed_response(result).SerializeToString()

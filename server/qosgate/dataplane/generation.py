@@ -1,0 +1,237 @@
+"""The generation API's domain: prompt in, text deltas and usage out, free of any transport.
+
+One call (its tenant identified at the edge) is rendered (chat template) and costed (the
+prompt estimate + max_tokens), then goes the data plane's path (dataplane/plane.py:
+authorize, daily budget, admission, the same per-model dispatch window as KServe traffic),
+streams from Triton through the model's adapter, and is accounted with the tokens the
+engine really counted: usage written, daily reservation settled, permit released, fair
+share corrected. That last step runs however the call ends (finished, failed, or
+cancelled by the caller), so a cancelled stream frees its window slot and its concurrency
+at once, and costs only what was generated before the cancel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tritonclient.grpc import service_pb2
+
+from qosgate import paths
+from qosgate.adapters import GenerationAdapter, adapter_for
+from qosgate.adapters.chat_template import ChatTemplate
+from qosgate.adapters.tokenizer import tokenizer_counter
+from qosgate.auth import Tenant
+from qosgate.config import GatewayConfig, ModelPolicy
+from qosgate.dataplane.plane import CallCost, DataPlane
+from qosgate.errors import Internal, InvalidArgument
+from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
+from qosgate.quota.tokens import estimate_prompt_tokens
+from qosgate.scheduler.cost import token_cost
+from qosgate.usage import UsageRecord
+
+if TYPE_CHECKING:
+    from qosgate.upstream.engine import UpstreamObserver
+
+# The request parameter our vLLM backend reads as the engine priority (smaller runs
+# first); Triton's own `priority` does not reach Python models in Triton 2.51.
+ENGINE_PRIORITY_PARAMETER = "vllm_priority"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationCall:
+    """A generation call as the edge parsed it; None means "not set by the caller"."""
+
+    model: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    priority_class: str | None = None
+    stream: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Seconds spent queued in the gateway, to the first text, and in total."""
+
+    queue_s: float
+    first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last item of a generation: why it ended, what it cost, where the time went."""
+
+    finish_reason: FinishReason
+    usage: TokenCounts
+    timing: Timing
+
+
+class EngineStreams(Protocol):
+    """Opens one request's response stream at Triton (ModelStreamInfer); see
+    upstream.engine.PoolEngineStreams. Failures are raised as GatewayErrors."""
+
+    def open(
+        self,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float | None,
+        observer: UpstreamObserver,
+        *,
+        prompt: str,
+        session: str | None = None,
+    ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]: ...
+
+
+class GenerationPlane:
+    """Serves generation calls for the models of one config snapshot."""
+
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        plane: DataPlane,
+        engine: EngineStreams,
+    ) -> None:
+        self._config = config
+        self.dataplane = plane
+        self._engine = engine
+        self._clock = plane.clock
+        self._templates: dict[str, ChatTemplate] = {}
+        self._adapters: dict[str, GenerationAdapter] = {}
+        # Loaded now, so a missing tokenizer stops the gateway at start, not a request.
+        self._prompt_counters: dict[str, Callable[[str], int]] = {
+            model: tokenizer_counter(policy.tokenizer, paths.hf_home())
+            for model, policy in config.models.items()
+            if policy.tokenizer is not None
+        }
+
+    async def generate(
+        self,
+        rpc: str,
+        tenant: Tenant,
+        call: GenerationCall,
+        *,
+        deadline: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> AsyncGenerator[str | Finished, None]:
+        """Text deltas, then one Finished, for `tenant` (identified by the edge, or the
+        job's tenant when the batch runner calls); `rpc` names the API and method in
+        metrics and traces. `deadline` is on the plane's clock; `headers` are the call's
+        request headers (the model's routing `session_header`, the caller's `traceparent`).
+
+        Close the iterator when done with it (`contextlib.aclosing`): that is what
+        releases the request's slot and quotas when the caller stops early.
+        """
+        arrived = self._clock.now()
+        async with self.dataplane.call(rpc, tenant, call.model, headers) as scope:
+            policy = self._config.model_policy(call.model)
+            request = self._request(call, policy)
+            header = policy.routing.session_header
+            session = headers.get(header) if headers and header else None
+            prompt_estimate = self._prompt_counters.get(call.model, estimate_prompt_tokens)(request.prompt)
+            weight = self._config.scheduler.output_token_weight
+            cost = CallCost(
+                fair_share=token_cost(prompt_estimate, request.sampling.max_tokens, weight),
+                tokens=prompt_estimate + request.sampling.max_tokens,
+            )
+            adapter = self._adapter(call.model, policy)
+            decoder = adapter.decoder(request, prompt_tokens_estimate=prompt_estimate)
+            request_id = uuid.uuid4().hex
+            responses = 0
+            finished: FinishReason | None = None
+            try:
+                dispatch = await scope.admit(cost, priority_class=call.priority_class, deadline=deadline)
+                upstream = adapter.encode(request, request_id=request_id)
+                upstream.parameters["priority"].uint64_param = dispatch.priority_level
+                upstream.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = dispatch.priority_level
+                if scope.timeout_us is not None:
+                    upstream.parameters["timeout"].int64_param = scope.timeout_us
+                first_token: float | None = None
+                # aclosing: when our caller leaves mid-stream, the engine stream must be
+                # closed now (cancelling the upstream call), not whenever it is collected.
+                stream = self._engine.open(upstream, scope.timeout_s, scope, prompt=request.prompt, session=session)
+                async with contextlib.aclosing(stream):
+                    async for response in stream:
+                        responses += 1
+                        scope.responded()
+                        chunk = decoder.feed(response)
+                        if chunk.text:
+                            if first_token is None:
+                                first_token = self._clock.now()
+                            yield chunk.text
+                        if chunk.final:
+                            finished = chunk.finish_reason
+                            break
+                if finished is None:
+                    raise Internal(f"Triton ended the stream of request {request_id} before its final response")
+                now = self._clock.now()
+                yield Finished(
+                    finish_reason=finished,
+                    usage=decoder.counted(),
+                    timing=Timing(
+                        queue_s=dispatch.queue_wait_s,
+                        first_token_s=(first_token if first_token is not None else now) - arrived,
+                        total_s=now - arrived,
+                    ),
+                )
+            finally:
+                # However it ended (finished, engine error, caller cancelled), the fair share
+                # and the quotas are charged what the engine did, and only that.
+                used = decoder.counted() if responses else TokenCounts(0, 0)
+                scope.settle(token_cost(used.prompt_tokens, used.completion_tokens, weight))
+                reason = finished.value if finished is not None else FinishReason.CANCELLED.value
+                record = (
+                    UsageRecord(tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
+                    if responses
+                    else None
+                )
+                scope.account(record, used.total)
+
+    def _request(self, call: GenerationCall, policy: ModelPolicy) -> GenerationRequest:
+        if not call.model:
+            raise InvalidArgument("model is required")
+        if call.messages is not None:
+            prompt = self._template(call.model, policy).render(call.messages)
+        elif call.prompt:
+            prompt = call.prompt
+        else:
+            raise InvalidArgument("set either prompt or chat.messages")
+        max_tokens = policy.default_max_tokens if call.max_tokens is None else call.max_tokens
+        if max_tokens < 1:
+            raise InvalidArgument("sampling.max_tokens must be at least 1")
+        if call.temperature is not None and call.temperature < 0:
+            raise InvalidArgument("sampling.temperature must be >= 0")
+        if call.top_p is not None and not 0 < call.top_p <= 1:
+            raise InvalidArgument("sampling.top_p must be in (0, 1]")
+        if any(not s for s in call.stop):
+            raise InvalidArgument("sampling.stop must not contain empty strings")
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=policy.default_temperature if call.temperature is None else call.temperature,
+            top_p=policy.default_top_p if call.top_p is None else call.top_p,
+            top_k=call.top_k,
+            seed=call.seed,
+            stop=call.stop,
+        )
+        return GenerationRequest(model=call.model, prompt=prompt, sampling=sampling, stream=call.stream)
+
+    def _template(self, model: str, policy: ModelPolicy) -> ChatTemplate:
+        template = self._templates.get(model)
+        if template is None:
+            template = self._templates[model] = ChatTemplate(policy.chat_template)
+        return template
+
+    def _adapter(self, model: str, policy: ModelPolicy) -> GenerationAdapter:
+        adapter = self._adapters.get(model)
+        if adapter is None:
+            adapter = self._adapters[model] = adapter_for(policy.adapter)
+        return adapter

@@ -1,0 +1,294 @@
+"""The one request path: every inference call of every API goes through a `CallScope`.
+
+    scope = plane.open(rpc, tenant, model, headers)      span starts, labels known so far
+    await scope.admit(CallCost(...), priority_class=..., deadline=...)
+        authorize (model, class) → daily budget → admission (rate, concurrency, tokens)
+        → scheduler slot (queue span) → remaining deadline → upstream timeout
+    scope.upstream_started(name) / upstream_finished()   latency metric, upstream span
+    scope.responded()                                    window latency sample, first token span
+    scope.settle(cost) / scope.account(...)              fair-share correction, usage
+    await scope.close(error)                             release slot, usage, budget, permit;
+                                                         metrics and span by the error table
+
+`close` runs once however the call ended (returned, refused, failed upstream, cancelled),
+and is where every API's request, rejection and queue metrics are recorded, so they cannot
+drift apart between front ends. In-process callers use `plane.call(...)` (an async context
+manager that closes with the exception that left it); a front end whose call ends in a
+callback (the HTTP/2 relay's `on_finish`) calls `admit` and `close_with_code` itself.
+
+No transport here: a refusal is raised as a GatewayError, and the front end's error
+wrapper turns it into its status (gRPC) or HTTP response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from qosgate.auth import Tenant, TenantDirectory
+from qosgate.clock import Clock
+from qosgate.dataplane.tracing import Tracing
+from qosgate.errors import DeadlineExceeded, GatewayError
+from qosgate.metrics import GatewayMetrics
+from qosgate.quota import Admission, Refused
+from qosgate.quota.tokens import BudgetReservation, DailyTokenBudget
+from qosgate.quota.verdict import Permit
+from qosgate.scheduler import Dispatch, Scheduler, Slot
+from qosgate.error_table import row_of
+from qosgate.usage import UsageMeter, UsageRecord
+
+OK = "OK"
+CANCELLED = "CANCELLED"
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    """What a call costs: `fair_share` in the scheduler's unit (weighted tokens for an
+    LLM, the model's cost_unit otherwise); `tokens` the LLM tokens reserved against the
+    tenant's tokens_per_minute, daily budget and in-flight tokens (0 for other models)."""
+
+    fair_share: float = 1.0
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class CallLabels:
+    """The one label carrier: who made a call, of what, and how it ended, filled in as the
+    plane learns it, so metrics and the span are labelled the same however the call ends."""
+
+    rpc: str
+    tenant: str = ""
+    model: str = ""
+    klass: str = ""
+    code: str = OK
+
+
+class DataPlane:
+    """Authorize, admit, schedule, account and observe calls (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        directory: TenantDirectory,
+        admission: Admission,
+        budget: DailyTokenBudget,
+        scheduler: Scheduler,
+        usage: UsageMeter,
+        metrics: GatewayMetrics,
+        tracing: Tracing,
+        clock: Clock,
+    ) -> None:
+        self.directory = directory
+        self.admission = admission
+        self.budget = budget
+        self.scheduler = scheduler
+        self.usage = usage
+        self.metrics = metrics
+        self.tracing = tracing
+        self.clock = clock
+
+    def open(
+        self, rpc: str, tenant: Tenant, model: str, headers: Mapping[str, str] | None = None
+    ) -> CallScope:
+        """A call of `rpc` (the API and method, the `rpc` metric label) by `tenant` for
+        `model`; `headers` may carry the caller's W3C `traceparent`. Close it exactly once."""
+        return CallScope(self, CallLabels(rpc, tenant.name, model), tenant, headers)
+
+    @contextlib.asynccontextmanager
+    async def call(
+        self, rpc: str, tenant: Tenant, model: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[CallScope]:
+        """`open`, then `close` with whatever ends the block (nothing, an error, a cancel)."""
+        scope = self.open(rpc, tenant, model, headers)
+        try:
+            yield scope
+        except BaseException as e:
+            await scope.close(e)
+            raise
+        await scope.close(None)
+
+    def deadline(self, remaining_s: float | None) -> float | None:
+        """A caller's remaining seconds (gRPC `time_remaining`) as a deadline on our clock."""
+        return None if remaining_s is None else self.clock.now() + remaining_s
+
+
+class CallScope:
+    """One call on its way through the plane; implements upstream.engine.UpstreamObserver."""
+
+    __slots__ = (
+        "_budget_reservation",
+        "_dispatch",
+        "_first_token_span",
+        "_plane",
+        "_permit",
+        "_slot",
+        "_upstream",
+        "_upstream_span",
+        "_upstream_started",
+        "_usage",
+        "_actual_tokens",
+        "_closed",
+        "deadline",
+        "labels",
+        "span",
+        "tenant",
+        "timeout_s",
+    )
+
+    def __init__(
+        self, plane: DataPlane, labels: CallLabels, tenant: Tenant, headers: Mapping[str, str] | None
+    ) -> None:
+        self._plane = plane
+        self.labels = labels
+        self.tenant = tenant
+        self.span = plane.tracing.call_span(labels.rpc, tenant.name, labels.model, headers)
+        self.deadline: float | None = None
+        self.timeout_s: float | None = None
+        self._budget_reservation: BudgetReservation | None = None
+        self._permit: Permit | None = None
+        self._slot: Slot | None = None
+        self._dispatch: Dispatch | None = None
+        self._upstream = ""
+        self._upstream_started: float | None = None
+        self._upstream_span: trace.Span | None = None
+        self._first_token_span: trace.Span | None = None
+        self._usage: UsageRecord | None = None
+        self._actual_tokens: int | None = None
+        self._closed = False
+
+    # -- admission and scheduling ---------------------------------------------------------
+
+    async def admit(
+        self, cost: CallCost, *, priority_class: str | None, deadline: float | None
+    ) -> Dispatch:
+        """Authorize, admit and wait for a dispatch slot; raises the refusal as a
+        GatewayError. `deadline` is on the plane's clock; on return `timeout_s` holds the
+        seconds left for the upstream call (None: no deadline)."""
+        plane, tenant, labels = self._plane, self.tenant, self.labels
+        plane.directory.require_model(tenant, labels.model)
+        klass = labels.klass = plane.directory.resolve_class(tenant, priority_class or None)
+        self.span.set_attribute("qosgate.class", klass)
+        if cost.tokens:
+            reservation = await plane.budget.reserve(tenant, cost.tokens)
+            if isinstance(reservation, Refused):
+                raise reservation.error()
+            self._budget_reservation = reservation
+        verdict = await plane.admission.admit(tenant, cost_tokens=cost.tokens)
+        if isinstance(verdict, Refused):
+            raise verdict.error()
+        self._permit = verdict.permit
+        self.deadline = deadline
+        slot = plane.scheduler.slot(
+            tenant=tenant, klass=klass, model=labels.model, deadline=deadline, cost=cost.fair_share, tokens=cost.tokens
+        )
+        queued = plane.tracing.child(self.span, "queue")
+        try:
+            dispatch = await slot.__aenter__()
+        finally:
+            queued.end()
+        self._slot, self._dispatch = slot, dispatch
+        plane.metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
+        if deadline is not None:
+            remaining = deadline - plane.clock.now()
+            if remaining <= 0:
+                raise DeadlineExceeded("deadline passed before dispatch to Triton")
+            self.timeout_s = remaining
+        return dispatch
+
+    @property
+    def timeout_us(self) -> int | None:
+        """The upstream timeout in microseconds (Triton's `timeout` parameter)."""
+        return None if self.timeout_s is None else int(self.timeout_s * 1_000_000)
+
+    def free_slot(self) -> None:
+        """Give the dispatch slot back before the call ends (a KServe stream whose caller
+        stopped reading must not hold the model's window). Idempotent."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
+
+    # -- upstream (UpstreamObserver) -------------------------------------------------------
+
+    def upstream_started(self, upstream: str) -> None:
+        self._upstream = upstream
+        self._upstream_started = time.perf_counter()
+        self._upstream_span = self._plane.tracing.child(self.span, "upstream", {"qosgate.upstream": upstream})
+        self._first_token_span = self._plane.tracing.child(self.span, "first_token")
+
+    def upstream_finished(self) -> None:
+        started, self._upstream_started = self._upstream_started, None
+        if started is not None:
+            self._plane.metrics.upstream_latency(self._upstream, self.labels.model, time.perf_counter() - started)
+        for span in (self._first_token_span, self._upstream_span):
+            if span is not None:
+                span.end()
+        self._first_token_span = self._upstream_span = None
+
+    def upstream_headers(self) -> Sequence[tuple[str, str]]:
+        upstream_span = self._upstream_span
+        return self._plane.tracing.headers(upstream_span if upstream_span is not None else self.span, self.span)
+
+    def responded(self) -> None:
+        """A response came from the engine: the first is a latency sample for an `auto`
+        window and ends the first-token span."""
+        if self._dispatch is not None:
+            self._dispatch.responded()
+        span, self._first_token_span = self._first_token_span, None
+        if span is not None:
+            span.end()
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def settle(self, fair_share: float) -> None:
+        """The call's real fair-share cost (same unit as CallCost.fair_share)."""
+        if self._dispatch is not None:
+            self._dispatch.settle(fair_share)
+
+    def account(self, record: UsageRecord | None, actual_tokens: int) -> None:
+        """What the engine really did: written to the usage meter at `close` (None: nothing
+        to record), `actual_tokens` settles the tokens reserved at admission."""
+        self._usage = record
+        self._actual_tokens = actual_tokens
+
+    # -- the end -------------------------------------------------------------------------------
+
+    async def close(self, error: BaseException | None) -> None:
+        """End the call: release what it holds and record it, its code by the error table."""
+        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            code = CANCELLED
+        elif error is not None:
+            code = row_of(error).code
+        else:
+            code = OK
+        await self.close_with_code(code, error)
+
+    async def close_with_code(self, code: str, error: BaseException | None = None) -> None:
+        """`close` for a front end that knows the call's status code rather than an error
+        (the relay: Triton's code, "UPSTREAM_ERROR" for an in-band stream error)."""
+        if self._closed:
+            return
+        self._closed = True
+        plane, labels = self._plane, self.labels
+        labels.code = code
+        self.upstream_finished()  # a call cancelled mid-upstream
+        self.free_slot()
+        try:
+            usage = self._usage
+            if usage is not None:
+                plane.metrics.tokens(labels.model, labels.tenant, usage.prompt_tokens, usage.completion_tokens)
+                await plane.usage.record(usage)
+        finally:  # a meter that cannot write must not leak the tenant's slot and tokens
+            if self._budget_reservation is not None:
+                plane.budget.settle(self._budget_reservation)
+            if self._permit is not None:
+                await self._permit.release(actual_tokens=self._actual_tokens)
+            if isinstance(error, GatewayError):
+                plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
+            plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, code)
+            plane.tracing.end_call(self.span, code, error)
+
