@@ -29,9 +29,6 @@ from pydantic import (
 
 DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
 
-# Where an `auto` dispatch window starts before it has measured anything.
-_AUTO_WINDOW_START = 8
-
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -402,12 +399,6 @@ class ModelPolicy(_Frozen):
             raise _FieldProblem("window_min", "must not be above window_max")
         return self
 
-    def initial_window(self) -> int:
-        """The window a model starts with: a pinned one, or `auto`'s first guess."""
-        if self.dispatch_window != "auto":
-            return self.dispatch_window
-        return min(max(_AUTO_WINDOW_START, self.window_min), self.window_max)
-
     @field_validator("chat_template")
     @classmethod
     def _template_compiles(cls, source: str) -> str:
@@ -772,24 +763,8 @@ class GatewayConfig(_Frozen):
             return 0.0
         return self.scheduler.floor_share_by_class.get(klass, self.scheduler.floor_share)
 
-    def class_window(self, klass: str, window: int) -> int:
-        """Requests in flight below which `klass` may dispatch to a model with `window`."""
-        rank = self.classes.index(klass)
-        lower = len(self.classes) - 1
-        if not rank:
-            return window
-        share = 1.0 - self.scheduler.window_reserve * rank / lower
-        return max(1, int(window * share + 1e-9))
-
     def max_queue_length(self, klass: str) -> int:
         return self.scheduler.max_queue_length_by_class.get(klass, self.scheduler.max_queue_length)
-
-    def sheddable_classes(self) -> list[str]:
-        """Sheddable classes, lowest first (the order in which they are shed)."""
-        chosen = self.scheduler.sheddable_classes
-        if chosen is None:
-            chosen = self.classes[1:]
-        return sorted(set(chosen), key=self.classes.index, reverse=True)
 
     def model_policy(self, model: str) -> ModelPolicy:
         return self.models.get(model, self.default_model_policy)

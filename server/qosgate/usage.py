@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from qosgate.auth import Tenant
+from qosgate.clock import utc_day
 from qosgate.database import open_database
-from qosgate.quota.tokens import utc_day
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (

@@ -31,6 +31,7 @@ from qosgate.config import (
     load_config,
     parse_config,
 )
+from qosgate.scheduler.classes import initial_window, sheddable_classes
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "config"
 CLASSES = "(classes: critical, interactive, standard, batch)"
@@ -147,10 +148,10 @@ def test_defaults() -> None:
     assert config.classes == ["critical", "interactive", "standard", "batch"]
     assert [u.url for u in config.upstreams] == ["127.0.0.1:8001"]
     assert config.model_policy("anything") == config.default_model_policy
-    assert config.sheddable_classes() == ["batch", "standard", "interactive"]
+    assert sheddable_classes(config) == ["batch", "standard", "interactive"]
     assert config.floor_share("critical") == 0.0 and config.floor_share("batch") == 0.05
     policy = config.default_model_policy
-    assert policy.dispatch_window == "auto" and policy.initial_window() == 8
+    assert policy.dispatch_window == "auto" and initial_window(policy) == 8
     assert (policy.window_min, policy.window_max, policy.cost_unit) == (2, 64, "request")
     assert config.scheduler.fair_share == "cost" and config.scheduler.output_token_weight == 2.0
     assert config.limits.max_request_bytes == config.limits.max_response_bytes == 64 << 20

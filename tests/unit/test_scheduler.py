@@ -13,6 +13,7 @@ from qosgate.auth import Tenant
 from qosgate.config import GatewayConfig, parse_config
 from qosgate.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
+from qosgate.scheduler.classes import class_window, initial_window
 from qosgate.scheduler.core import MAX_UNCONFIGURED_MODELS
 
 from tests.fakes import FakeClock, make_tenant
@@ -39,7 +40,7 @@ class Harness:
         self.clock = FakeClock()
         self.in_flight: list[Waiter] = []  # dispatched, oldest first: release() ends the oldest
         if fill_window:
-            for _ in range(cfg.model_policy(MODEL).initial_window()):
+            for _ in range(initial_window(cfg.model_policy(MODEL))):
                 assert self.submit("filler", "critical").state is WaiterState.DISPATCHED
 
     def submit(
@@ -278,7 +279,7 @@ def test_class_windows_step_down_the_class_list(
     window: int, reserve: float, limits: list[int]
 ) -> None:
     cfg = config(window=window, window_reserve=reserve)
-    assert [cfg.class_window(k, window) for k in cfg.classes] == limits
+    assert [class_window(cfg, k, window) for k in cfg.classes] == limits
 
 
 def test_window_reserve_keeps_slots_free_for_higher_classes() -> None:
@@ -522,7 +523,7 @@ def test_random_operations_keep_the_core_consistent(seed: int) -> None:
             assert all(tokens_of(t) <= quota for t in "abcd"), "in-flight tokens over the quota"
         blocked = {w.tenant for w in queued if quota is not None and tokens_of(w.tenant) + w.tokens > quota}
         assert all(
-            len(running) >= cfg.class_window(w.klass, window)
+            len(running) >= class_window(cfg, w.klass, window)
             for w in queued
             if w.tenant not in blocked
         ), "work-conserving: nothing that may go waits while its class's share of the window has room"

@@ -7,13 +7,13 @@ import pytest
 
 from qosgate.auth import Tenant
 from qosgate.config import LimitsConfig
+from qosgate.clock import utc_day
 from qosgate.quota import Admission, Admitted, InMemoryQuotaStore, Refused
 from qosgate.quota.tokens import (
     BudgetReservation,
     DailyTokenBudget,
     estimate_prompt_tokens,
     seconds_to_next_utc_day,
-    utc_day,
 )
 from tests.fakes import FakeClock
 

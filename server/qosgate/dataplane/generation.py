@@ -174,7 +174,7 @@ class GenerationPlane:
                 if finished is None:
                     raise Internal(f"Triton ended the stream of request {request_id} before its final response")
                 now = self._clock.now()
-                yield Finished(
+                result = Finished(
                     finish_reason=finished,
                     usage=decoder.counted(),
                     timing=Timing(
@@ -183,6 +183,10 @@ class GenerationPlane:
                         total_s=now - arrived,
                     ),
                 )
+                with contextlib.suppress(GeneratorExit):
+                    # A caller that closes us once it has the result did not cancel: the
+                    # call ends here as served.
+                    yield result
             finally:
                 # However it ended (finished, engine error, caller cancelled), the fair share
                 # and the quotas are charged what the engine did, and only that.

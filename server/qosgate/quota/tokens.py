@@ -13,13 +13,13 @@ Pure arithmetic on injected wall time; the meter is reached through `DailyTotals
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from qosgate.auth import Tenant
+from qosgate.clock import DAY_S, utc_day
 from qosgate.errors import QuotaViolation
 from qosgate.quota.verdict import Refused
 
@@ -27,7 +27,6 @@ from qosgate.quota.verdict import Refused
 # 3.5-4.5 bytes per token on English text and code, fewer on other scripts. Over-reserving
 # only delays a request at the limit; reconciliation returns the difference.
 _BYTES_PER_TOKEN = 3
-_DAY_S = 86_400.0
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -35,13 +34,8 @@ def estimate_prompt_tokens(prompt: str) -> int:
     return math.ceil(len(prompt.encode("utf-8")) / _BYTES_PER_TOKEN) + 1
 
 
-def utc_day(wall_time: float) -> str:
-    """The UTC day of a Unix time as YYYY-MM-DD: the unit of the daily budget."""
-    return dt.datetime.fromtimestamp(wall_time, dt.UTC).strftime("%Y-%m-%d")
-
-
 def seconds_to_next_utc_day(wall_time: float) -> float:
-    return _DAY_S - (wall_time % _DAY_S)
+    return DAY_S - (wall_time % DAY_S)
 
 
 class DailyTotals(Protocol):

@@ -19,6 +19,7 @@ from qosgate.auth import Tenant
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
 from qosgate.errors import DeadlineExceeded
+from qosgate.scheduler.classes import initial_window
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.window import EngineLoad, WindowController
 
@@ -106,7 +107,7 @@ class Scheduler:
         if model not in self._windows:
             policy = self._config.model_policy(model)
             self._windows[model] = (
-                WindowController(policy.window_min, policy.window_max, policy.initial_window())
+                WindowController(policy.window_min, policy.window_max, initial_window(policy))
                 if policy.dispatch_window == "auto"
                 else None
             )

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qosgate.config import GatewayConfig
+from qosgate.scheduler.classes import class_window, initial_window, sheddable_classes
 from qosgate.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -266,7 +267,7 @@ class SchedulingCore:
     def __init__(self, config: GatewayConfig) -> None:
         self._config = config
         self._levels = {klass: i for i, klass in enumerate(config.classes)}
-        self._sheddable = frozenset(config.sheddable_classes())
+        self._sheddable = frozenset(sheddable_classes(config))
         self._by_cost = config.scheduler.fair_share == "cost"
         self._models: dict[str, _ModelQueues] = {}
         self._tenant_tokens: dict[str, int] = {}  # tokens in flight, per tenant
@@ -278,7 +279,7 @@ class SchedulingCore:
         if queues is None:
             config = self._config
             policy = config.model_policy(model)
-            window = policy.initial_window()
+            window = initial_window(policy)
             queues = self._models[model] = _ModelQueues(
                 window=window,
                 max_queued=policy.max_queued,
@@ -286,7 +287,7 @@ class SchedulingCore:
                     _ClassQueue(
                         name=klass,
                         floor=config.floor_share(klass),
-                        window=config.class_window(klass, window),
+                        window=class_window(config, klass, window),
                         max_length=config.max_queue_length(klass),
                         sheddable=klass in self._sheddable,
                     )
@@ -429,7 +430,7 @@ class SchedulingCore:
         model = self._queues(model_name)
         model.window = window
         for klass in model.classes:
-            klass.window = self._config.class_window(klass.name, window)
+            klass.window = class_window(self._config, klass.name, window)
         decided: list[Waiter] = []
         self._fill(model, now, decided)
         return decided
