@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from qosgate.auth import Tenant
@@ -21,6 +24,30 @@ class FakeClock:
         if seconds < 0:
             raise ValueError("time does not go backwards")
         self._now += seconds
+
+
+class FakeWall:
+    """Wall time (Unix seconds) as the ledgers and stores take it (`wall_time=`): a
+    callable that moves only when a test sets `now`. The one wall-clock fake."""
+
+    def __init__(self, now: float = 1_767_225_600.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    """Poll `condition` (plain or async) until it holds; fail after `timeout_s`. The
+    deadline only stops a hung test: nothing is asserted about how fast it holds."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            held = condition()
+            if inspect.isawaitable(held):
+                held = await held
+            if held:
+                return
+            await asyncio.sleep(0.01)
 
 
 def make_tenant(name: str = "acme", **fields: Any) -> Tenant:

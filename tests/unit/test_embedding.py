@@ -35,6 +35,7 @@ class FakeTriton:
         self, request: service_pb2.ModelInferRequest, timeout_s: float | None, observer: UpstreamObserver
     ) -> service_pb2.ModelInferResponse:
         self.requests.append(request)
+        observer.responded()
         raw, texts, offset = request.raw_input_contents[0], [], 0
         while offset < len(raw):
             (size,) = struct.unpack_from("<I", raw, offset)

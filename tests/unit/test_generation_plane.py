@@ -73,6 +73,7 @@ class FakeEngine:
             for i, response in enumerate(self.responses):
                 if i == len(self.responses) - 1:
                     await self.hold.wait()
+                observer.responded()
                 yield response
         finally:
             observer.upstream_finished()
@@ -245,3 +246,15 @@ async def test_a_ledger_failure_still_frees_the_slot_and_the_permit() -> None:
     # max_concurrent=1: only a released permit lets this one in.
     assert len(await _collect(plane, GenerationCall(model="smollm2", prompt="Again"))) == 4
     assert ledger.day_summary("acme", "2026-01-01").requests == 1
+
+
+async def test_a_caller_that_closes_after_the_result_was_served_not_cancelled() -> None:
+    plane, _, _ = _plane(FakeEngine(STORY))
+    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), GenerationCall(model="smollm2", prompt="Hi"))) as items:
+        async for item in items:
+            if isinstance(item, Finished):
+                break  # as a unary response does: the generator is closed at its last yield
+    registry = plane.dataplane.metrics.registry
+    labels = {"rpc": RPC, "model": "smollm2", "tenant": "acme", "class": "standard"}
+    assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "OK"}) == 1
+    assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "CANCELLED"}) is None

@@ -15,7 +15,7 @@ from qosgate.quota.tokens import (
     estimate_prompt_tokens,
     seconds_to_next_utc_day,
 )
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, FakeWall
 
 NOON = 1_767_225_600.0 + 12 * 3600  # 2026-01-01 12:00 UTC
 
@@ -39,13 +39,6 @@ class FakeTotals:
     def add(self, tenant: str, day: str, tokens: int) -> None:
         self.used[(tenant, day)] = self.used.get((tenant, day), 0) + tokens
 
-
-class Wall:
-    def __init__(self, now: float = NOON) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -121,13 +114,13 @@ async def test_a_refusal_takes_nothing(admission: Admission) -> None:
 
 
 async def test_no_budget_always_reserves() -> None:
-    budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
+    budget = DailyTokenBudget(wall_time=FakeWall(NOON), totals=FakeTotals())
     assert isinstance(await budget.reserve(tenant(), 10**9), BudgetReservation)
 
 
 async def test_daily_budget_counts_ledger_and_in_flight() -> None:
     totals = FakeTotals()
-    budget = DailyTokenBudget(wall_time=Wall(), totals=totals)
+    budget = DailyTokenBudget(wall_time=FakeWall(NOON), totals=totals)
     t = tenant(daily_token_budget=1000)
     day = utc_day(NOON)
     totals.add("acme", day, 700)
@@ -144,7 +137,7 @@ async def test_daily_budget_counts_ledger_and_in_flight() -> None:
 
 
 async def test_daily_budget_resets_on_the_next_utc_day() -> None:
-    totals, wall = FakeTotals(), Wall()
+    totals, wall = FakeTotals(), FakeWall(NOON)
     budget = DailyTokenBudget(wall_time=wall, totals=totals)
     t = tenant(daily_token_budget=100)
     totals.add("acme", utc_day(NOON), 100)
@@ -155,7 +148,7 @@ async def test_daily_budget_resets_on_the_next_utc_day() -> None:
 
 
 async def test_settling_a_reservation_of_yesterday_leaves_today_alone() -> None:
-    wall = Wall(NOON + 12 * 3600 - 1)
+    wall = FakeWall(NOON + 12 * 3600 - 1)
     budget = DailyTokenBudget(wall_time=wall, totals=FakeTotals())
     t = tenant(daily_token_budget=100)
     yesterday = await budget.reserve(t, 60)
@@ -168,7 +161,7 @@ async def test_settling_a_reservation_of_yesterday_leaves_today_alone() -> None:
 
 
 async def test_tenants_have_separate_budgets() -> None:
-    budget = DailyTokenBudget(wall_time=Wall(), totals=FakeTotals())
+    budget = DailyTokenBudget(wall_time=FakeWall(NOON), totals=FakeTotals())
     assert isinstance(await budget.reserve(tenant(daily_token_budget=10), 10), BudgetReservation)
     assert isinstance(await budget.reserve(tenant("globex", daily_token_budget=10), 10), BudgetReservation)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -21,6 +21,7 @@ from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
+from tests.fakes import until
 
 
 def pool_of(*names: str) -> UpstreamPool:
@@ -161,11 +162,6 @@ async def started(port: int, check_interval_s: float) -> AsyncIterator[UpstreamP
     finally:
         await pool.close()
 
-
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
 
 
 async def test_a_loading_model_leaves_the_upstream_live_and_the_others_ready() -> None:

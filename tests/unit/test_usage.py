@@ -17,17 +17,10 @@ import pytest
 from qosgate.quota.tokens import utc_day
 from qosgate.usage import UsageLedger, UsageMeter, UsageRecord, UsageSummary
 
-from tests.fakes import make_tenant
+from tests.fakes import FakeWall, make_tenant
 
 DAY0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 
-
-class Wall:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def record(tenant: str = "acme", prompt: int = 10, completion: int = 5, request_id: str = "r") -> UsageRecord:
@@ -35,7 +28,7 @@ def record(tenant: str = "acme", prompt: int = 10, completion: int = 5, request_
 
 
 def test_day_totals_survive_reopen(tmp_path: Path) -> None:
-    wall = Wall(DAY0 + 3600)
+    wall = FakeWall(DAY0 + 3600)
     ledger = UsageLedger(tmp_path / "usage.sqlite3", wall_time=wall)
     for i in range(3):
         ledger.record(record(prompt=10 + i, completion=i, request_id=f"r{i}"))
@@ -50,7 +43,7 @@ def test_day_totals_survive_reopen(tmp_path: Path) -> None:
 
 
 def test_cached_total_follows_new_records(tmp_path: Path) -> None:
-    ledger = UsageLedger(tmp_path / "u.db", wall_time=Wall(DAY0 + 60))
+    ledger = UsageLedger(tmp_path / "u.db", wall_time=FakeWall(DAY0 + 60))
     assert ledger.day_summary("acme", "2026-01-01").total_tokens == 0  # loads (and caches) the day
     ledger.record(record())
     ledger.record(record())
@@ -58,7 +51,7 @@ def test_cached_total_follows_new_records(tmp_path: Path) -> None:
 
 
 def test_days_are_utc_days(tmp_path: Path) -> None:
-    wall = Wall(DAY0 - 1)  # 2025-12-31 23:59:59 UTC
+    wall = FakeWall(DAY0 - 1)  # 2025-12-31 23:59:59 UTC
     ledger = UsageLedger(tmp_path / "u.db", wall_time=wall)
     ledger.record(record())
     wall.now = DAY0 + 1
@@ -68,7 +61,7 @@ def test_days_are_utc_days(tmp_path: Path) -> None:
 
 
 def test_recent_summary_is_a_sliding_window(tmp_path: Path) -> None:
-    wall = Wall(DAY0 + 1000)
+    wall = FakeWall(DAY0 + 1000)
     ledger = UsageLedger(tmp_path / "u.db", wall_time=wall)
     ledger.record(record(prompt=100, completion=0))
     wall.now += 30
@@ -79,7 +72,7 @@ def test_recent_summary_is_a_sliding_window(tmp_path: Path) -> None:
 
 
 def test_durability_settings(tmp_path: Path) -> None:
-    ledger = UsageLedger(tmp_path / "u.db", wall_time=Wall(DAY0))
+    ledger = UsageLedger(tmp_path / "u.db", wall_time=FakeWall(DAY0))
     probe = sqlite3.connect(tmp_path / "u.db")
     assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     probe.close()
@@ -138,7 +131,7 @@ class FakeSharedDays:
 
 
 async def test_a_local_meter_counts_the_ledger(tmp_path: Path) -> None:
-    wall = Wall(DAY0 + 3600)
+    wall = FakeWall(DAY0 + 3600)
     ledger = UsageLedger(tmp_path / "u.db", wall_time=wall)
     meter = UsageMeter(ledger, wall_time=wall)
     await meter.record(record(prompt=10, completion=5))
@@ -148,7 +141,7 @@ async def test_a_local_meter_counts_the_ledger(tmp_path: Path) -> None:
 
 
 async def test_a_shared_meter_counts_every_gateway_and_falls_back_to_its_ledger(tmp_path: Path) -> None:
-    wall, shared = Wall(DAY0 + 3600), FakeSharedDays()
+    wall, shared = FakeWall(DAY0 + 3600), FakeSharedDays()
     ours = UsageMeter(UsageLedger(tmp_path / "a.db", wall_time=wall), wall_time=wall, shared=shared)
     theirs = UsageMeter(UsageLedger(tmp_path / "b.db", wall_time=wall), wall_time=wall, shared=shared)
     await ours.record(record(prompt=10, completion=5))

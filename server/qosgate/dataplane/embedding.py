@@ -89,7 +89,6 @@ class EmbeddingPlane:
             if scope.timeout_us is not None:
                 request.parameters["timeout"].int64_param = scope.timeout_us
             response = await self._engine.infer(request, scope.timeout_s, scope)
-            scope.responded()
             values = TensorReader(response).numbers(EMBEDDING_OUTPUT)
             if not values or len(values) % len(inputs):
                 raise Internal(f"model {model!r} returned no {EMBEDDING_OUTPUT!r} row per input")

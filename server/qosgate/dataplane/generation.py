@@ -162,7 +162,6 @@ class GenerationPlane:
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         responses += 1
-                        scope.responded()
                         chunk = decoder.feed(response)
                         if chunk.text:
                             if first_token is None:

@@ -133,6 +133,7 @@ class CallScope:
         "_usage",
         "_actual_tokens",
         "_closed",
+        "_responded",
         "deadline",
         "labels",
         "span",
@@ -160,6 +161,7 @@ class CallScope:
         self._usage: UsageRecord | None = None
         self._actual_tokens: int | None = None
         self._closed = False
+        self._responded = False
 
     # -- admission and scheduling ---------------------------------------------------------
 
@@ -235,9 +237,13 @@ class CallScope:
 
     def responded(self) -> None:
         """A response came from the engine: the first is a latency sample for an `auto`
-        window and ends the first-token span."""
+        window, names the model in metric labels (it exists) and ends the first-token span."""
+        if self._responded:
+            return
+        self._responded = True
         if self._dispatch is not None:
             self._dispatch.responded()
+        self._plane.metrics.model_served(self.labels.model)
         span, self._first_token_span = self._first_token_span, None
         if span is not None:
             span.end()

@@ -3,7 +3,7 @@ generation (`PoolEngineStreams`), one ModelInfer per embedding call (`PoolEngine
 and the one mapping of Triton's gRPC failures to domain errors (`upstream_error`).
 
 Both engines report each upstream attempt to the call's `UpstreamObserver` (which upstream,
-when it ended), so upstream latency and the upstream span are recorded the same way for
+its responses, when it ended), so upstream latency and the upstream span are recorded the same way for
 every API, and send the observer's headers (W3C `traceparent`) so Triton can continue
 the caller's trace.
 """
@@ -35,6 +35,9 @@ class UpstreamObserver(Protocol):
 
     def upstream_started(self, upstream: str) -> None:
         """An attempt at `upstream` begins (a failover starts a second one)."""
+
+    def responded(self) -> None:
+        """A response came from the upstream (every one; the first is what counts)."""
 
     def upstream_finished(self) -> None:
         """The current attempt ended (last response, failure or cancel)."""
@@ -82,6 +85,7 @@ class PoolEngineStreams:
                             # Triton reports a request's own failure in the stream, without a
                             # code: the model refused this request (bad sampling, prompt too long).
                             raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
+                        observer.responded()
                         yield message.infer_response
                     return
                 except grpc.aio.AioRpcError as e:
@@ -116,6 +120,7 @@ class PoolEngineInfer:
                     raw = await upstream.unary("ModelInfer")(
                         payload, timeout=timeout_s, metadata=observer.upstream_headers()
                     )
+                    observer.responded()
                     return service_pb2.ModelInferResponse.FromString(raw)
                 except grpc.aio.AioRpcError as e:
                     error = e

@@ -22,6 +22,7 @@ from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import UPLOAD_IDLE_S, JobStore, SqlJobStore
 
+from tests.fakes import FakeWall
 from tests.postgres_server import PostgresServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -29,13 +30,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 LIMITS = JobLimits(max_queued_items=100, retention_s=3600.0)
 LEASE_S = 30.0
 
-
-class WallClock:
-    def __init__(self) -> None:
-        self.t = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # Opens one more store on the test's database: another gateway (its own connections,
@@ -61,13 +55,13 @@ async def claim(store: JobStore, job_id: str) -> ClaimedItem:
 
 
 @pytest.fixture
-def clock() -> WallClock:
-    return WallClock()
+def clock() -> FakeWall:
+    return FakeWall(1_700_000_000.0)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 async def gateways(
-    request: pytest.FixtureRequest, tmp_path: Path, clock: WallClock
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeWall
 ) -> AsyncIterator[Gateways]:
     opened: list[SqlJobStore] = []
     if request.param == "postgres":
@@ -104,14 +98,14 @@ async def test_upload_is_invisible_until_sealed_and_discard_leaves_nothing(store
     assert await store.list_jobs("a", limit=10) == []
 
 
-async def test_an_idle_upload_expires(store: JobStore, clock: WallClock) -> None:
+async def test_an_idle_upload_expires(store: JobStore, clock: FakeWall) -> None:
     job_id = await store.begin_job("a", model="m", description="", callback_url="", limits=LIMITS)
     await store.add_items(job_id, items("1"), limits=LIMITS)
-    clock.t += UPLOAD_IDLE_S - 1
+    clock.now += UPLOAD_IDLE_S - 1
     await store.add_items(job_id, items("2"), limits=LIMITS)  # each chunk keeps it alive
-    clock.t += UPLOAD_IDLE_S - 1
+    clock.now += UPLOAD_IDLE_S - 1
     assert await store.expire() == 0
-    clock.t += 1
+    clock.now += 1
     assert await store.expire() == 1
     with pytest.raises(NotFound, match="no upload in progress"):
         await store.add_items(job_id, items("3"), limits=LIMITS)
@@ -153,10 +147,10 @@ async def test_tenant_sees_only_its_own_jobs(store: JobStore) -> None:
     assert await store.list_jobs("b", limit=10) == []
 
 
-async def test_list_pages_newest_first(store: JobStore, clock: WallClock) -> None:
+async def test_list_pages_newest_first(store: JobStore, clock: FakeWall) -> None:
     ids = []
     for n in range(5):
-        clock.t += 1
+        clock.now += 1
         ids.append(await submit(store, "a", str(n)))
     first = await store.list_jobs("a", limit=2)
     second = await store.list_jobs("a", limit=2, after_id=first[-1].id)
@@ -196,30 +190,30 @@ async def test_cancel_stops_pending_items_and_waits_for_running_ones(store: JobS
     assert [r.custom_id for r in await store.results("a", job_id, offset=0, limit=10)] == ["1"]
 
 
-async def test_retry_later_holds_item_until_backoff_passes(store: JobStore, clock: WallClock) -> None:
+async def test_retry_later_holds_item_until_backoff_passes(store: JobStore, clock: FakeWall) -> None:
     job_id = await submit(store, "a", "1")
     item = await claim(store, job_id)
-    await store.retry_later(item, clock.t + 5, count_attempt=False)
+    await store.retry_later(item, clock.now + 5, count_attempt=False)
     assert await store.work_by_tenant() == {}
-    assert await store.next_retry_at() == clock.t + 5
-    clock.t += 5
+    assert await store.next_retry_at() == clock.now + 5
+    clock.now += 5
     again = await claim(store, job_id)
     assert again.attempt == 1
 
 
-async def test_finished_jobs_expire_after_retention(store: JobStore, clock: WallClock) -> None:
+async def test_finished_jobs_expire_after_retention(store: JobStore, clock: FakeWall) -> None:
     job_id = await submit(store, "a", "1")
     await store.succeed(await claim(store, job_id), b"r")
-    clock.t += LIMITS.retention_s - 1
+    clock.now += LIMITS.retention_s - 1
     assert await store.expire() == 0
-    clock.t += 1
+    clock.now += 1
     assert await store.expire() == 1
     with pytest.raises(NotFound):
         await store.get_job("a", job_id)
 
 
 async def test_one_gateway_at_a_time_sends_a_due_callback_until_it_is_made(
-    gateways: Gateways, clock: WallClock
+    gateways: Gateways, clock: FakeWall
 ) -> None:
     finisher, other = await gateways("gw-a"), await gateways("gw-b")
     job_id = await finisher.begin_job(
@@ -231,13 +225,13 @@ async def test_one_gateway_at_a_time_sends_a_due_callback_until_it_is_made(
     finished = await finisher.succeed(await claim(finisher, job_id), b"r")
     assert finished is not None  # the finisher sends the callback now, alone
     assert await other.callbacks_due(hold_s=60) == []
-    clock.t += LEASE_S  # ... and it failed, or the finisher died: anyone may retry
+    clock.now += LEASE_S  # ... and it failed, or the finisher died: anyone may retry
     assert [j.id for j in await other.callbacks_due(hold_s=60)] == [job_id]
     assert await finisher.callbacks_due(hold_s=60) == []  # reserved to the other one
-    clock.t += 60
+    clock.now += 60
     assert [j.id for j in await finisher.callbacks_due(hold_s=60)] == [job_id]
     await finisher.callback_made(job_id)
-    clock.t += 60
+    clock.now += 60
     assert await other.callbacks_due(hold_s=60) == []
 
 
@@ -262,7 +256,7 @@ async def test_a_job_created_on_one_gateway_is_served_by_another(gateways: Gatew
 
 
 async def test_a_dead_gateways_items_are_taken_over_after_the_lease(
-    gateways: Gateways, clock: WallClock
+    gateways: Gateways, clock: FakeWall
 ) -> None:
     dead, alive = await gateways("gw-dead"), await gateways("gw-alive")
     job_id = await submit(dead, "a", "1", "2", "3")
@@ -270,11 +264,11 @@ async def test_a_dead_gateways_items_are_taken_over_after_the_lease(
     lost = await claim(dead, job_id)
     await dead.succeed(done, b"r1")
     # gw-dead stops here (kill -9): item 2 holds its lease and nobody renews it.
-    clock.t += LEASE_S - 1
+    clock.now += LEASE_S - 1
     assert await alive.requeue_expired() == 0
     remaining = await claim(alive, job_id)
     assert remaining.custom_id == "3" and await alive.claim(job_id) is None
-    clock.t += 1
+    clock.now += 1
     assert await alive.requeue_expired() == 1
     taken = await claim(alive, job_id)
     assert (taken.custom_id, taken.attempt) == ("2", 2)  # item 2 runs for the second time
@@ -293,31 +287,31 @@ async def test_a_dead_gateways_items_are_taken_over_after_the_lease(
 
 
 async def test_renewed_leases_hold_and_lost_ones_are_reported(
-    gateways: Gateways, clock: WallClock
+    gateways: Gateways, clock: FakeWall
 ) -> None:
     holder, other = await gateways("gw-a"), await gateways("gw-b")
     job_id = await submit(holder, "a", "1", "2")
     first, second = await claim(holder, job_id), await claim(holder, job_id)
     for _ in range(3):
-        clock.t += LEASE_S * 0.9
+        clock.now += LEASE_S * 0.9
         assert await holder.renew([first, second]) == []
         assert await other.requeue_expired() == 0
-    clock.t += LEASE_S
+    clock.now += LEASE_S
     assert await other.requeue_expired() == 2
     assert await holder.renew([first, second]) == [first, second]
     # Nor does a lost lease come back by finishing: the item is someone else's now.
-    assert await holder.retry_later(first, clock.t) is None
+    assert await holder.retry_later(first, clock.now) is None
     assert (await other.get_job("a", job_id)).counts.pending == 2
 
 
 async def test_expired_items_of_a_cancelled_job_end_cancelled(
-    gateways: Gateways, clock: WallClock
+    gateways: Gateways, clock: FakeWall
 ) -> None:
     dead, alive = await gateways("gw-dead"), await gateways("gw-alive")
     job_id = await submit(dead, "a", "1", "2")
     await claim(dead, job_id)
     await alive.cancel_job("a", job_id)
-    clock.t += LEASE_S
+    clock.now += LEASE_S
     assert await alive.requeue_expired() == 1
     job = await alive.get_job("a", job_id)
     assert job.status is JobStatus.CANCELLED and job.counts.cancelled == 2
@@ -364,7 +358,7 @@ async def test_start_releases_only_what_no_live_gateway_can_hold(gateways: Gatew
         assert await after.claim(job_id) is None
 
 
-async def test_sqlite_file_from_before_leases_is_upgraded(tmp_path: Path, clock: WallClock) -> None:
+async def test_sqlite_file_from_before_leases_is_upgraded(tmp_path: Path, clock: FakeWall) -> None:
     path = tmp_path / "old.db"
     old = sqlite3.connect(path)
     old.executescript(
@@ -391,7 +385,7 @@ async def test_sqlite_file_from_before_leases_is_upgraded(tmp_path: Path, clock:
 
 
 async def test_postgres_out_of_reach_fails_calls_unavailable_until_it_answers(
-    clock: WallClock,
+    clock: FakeWall,
 ) -> None:
     server = PostgresServer(free_port())
     store = PostgresJobStore(server.url(), wall_time=clock, timeout_s=0.5)
