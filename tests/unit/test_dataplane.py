@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from qosgate.config import parse_config
+from qosgate.config import TracingConfig, parse_config
 from qosgate.dataplane.plane import CallCost, DataPlane
 from qosgate.dataplane.tracing import Tracing
 from qosgate.errors import InvalidArgument, QuotaExceeded
@@ -131,3 +131,15 @@ async def test_with_tracing_off_the_callers_traceparent_still_reaches_triton() -
     sent = await _served(plane, headers={"traceparent": TRACEPARENT})
     assert ("traceparent", TRACEPARENT) in sent
     assert await _served(plane) == []
+
+
+def test_tracing_is_off_unless_an_otlp_endpoint_is_configured() -> None:
+    off = Tracing.from_config(TracingConfig())
+    assert not off.call_span("Generate", "acme", "m", None).is_recording()
+    config = parse_config({"tracing": {"otlp_endpoint": "127.0.0.1:4317", "sample_ratio": 1.0}}, source="<test>")
+    on = Tracing.from_config(config.tracing)
+    try:
+        # Not ended: nothing is queued for export to a collector that is not there.
+        assert on.call_span("Generate", "acme", "m", None).is_recording()
+    finally:
+        on.shutdown()
