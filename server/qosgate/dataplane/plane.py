@@ -5,10 +5,14 @@
         authorize (model, class) → daily budget → admission (rate, concurrency, tokens)
         → scheduler slot (queue span) → remaining deadline → upstream timeout
     scope.upstream_started(name) / upstream_finished()   latency metric, upstream span
-    scope.responded()                                    window latency sample, first token span
+    scope.responded()                                    window latency sample, first-token span
     scope.settle(cost) / scope.account(...)              fair-share correction, usage
     await scope.close(error)                             release slot, usage, budget, permit;
                                                          metrics and span by the error table
+
+Each attempt at an upstream (a failover makes two) is one `upstream_started` ..
+`upstream_finished`; the engine calls them (the scope is its upstream.engine
+.UpstreamObserver) and sends `upstream_headers()` (the W3C trace context) to Triton.
 
 `close` runs once however the call ended (returned, refused, failed upstream, cancelled),
 and is where every API's request, rejection and queue metrics are recorded, so they cannot
@@ -33,13 +37,13 @@ from opentelemetry import trace
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.dataplane.tracing import Tracing
+from qosgate.error_table import row_of
 from qosgate.errors import DeadlineExceeded, GatewayError
 from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused
 from qosgate.quota.tokens import BudgetReservation, DailyTokenBudget
 from qosgate.quota.verdict import Permit
 from qosgate.scheduler import Dispatch, Scheduler, Slot
-from qosgate.error_table import row_of
 from qosgate.usage import UsageMeter, UsageRecord
 
 OK = "OK"
