@@ -276,7 +276,7 @@ def test_node_client_over_mtls(mtls_gateway: GatewayThread, pki: Pki) -> None:
 def perf_analyzer(gateway: GatewayThread, *args: str) -> subprocess.CompletedProcess[str]:
     if not PERF_ANALYZER.exists():
         pytest.fail(f"perf_analyzer missing at {PERF_ANALYZER}: run `make tools`")
-    bounded = ("--measurement-mode=count_windows", "--measurement-request-count=10", "--max-trials=3")
+    bounded = ("--measurement-mode=count_windows", "--measurement-request-count=10", "--max-trials=10")
     return subprocess.run(
         [str(PERF_ANALYZER), "-i", "grpc", "-u", gateway.url, "-m", "identity", "--concurrency-range=2",
          "--shape=INPUT0:16", "--stability-percentage=999", *bounded, "--ssl-grpc-use-ssl", *args],
