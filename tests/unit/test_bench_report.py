@@ -77,6 +77,19 @@ def test_readme_update_replaces_only_its_section(tmp_path: pathlib.Path) -> None
     assert "`python -m bench quota --quick`" in text
 
 
+def test_readme_update_commits_each_plot_next_to_the_readme(tmp_path: pathlib.Path) -> None:
+    results = tmp_path / "results"
+    result = _result()
+    result.plot = "quota.png"
+    result.write(results)
+    (results / "quota.png").write_bytes(b"\x89PNG fake")
+    target = tmp_path / "README.md"
+    target.write_text("<!-- section: performance -->\n<!-- /section: performance -->\n")
+    readme.update(target, results)
+    assert (tmp_path / readme.PLOTS / "quota.png").read_bytes() == b"\x89PNG fake"
+    assert f"![quota]({readme.PLOTS}/quota.png)" in target.read_text()
+
+
 def test_profile_sums_functions_across_lines() -> None:
     found = Profile({
         "main (app.py:1);work (qosgate/x.py:10)": 3,
