@@ -211,11 +211,19 @@ class EngineMetrics:
             families.running.set(scheduler_stats.num_running_reqs)
             families.waiting.set(scheduler_stats.num_waiting_reqs)
             families.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            # Counted when the scheduler first looks a request up in the cache; a
+            # preempted request's second lookup is left out, as vLLM's own metric does.
+            cache = scheduler_stats.prefix_cache_stats
+            if cache.queries:
+                families.prefix_cache_queries.increment(cache.queries)
+                families.prefix_cache_hits.increment(cache.hits)
         if iteration_stats is not None:
             if iteration_stats.num_generation_tokens:
                 families.generation_tokens.increment(iteration_stats.num_generation_tokens)
             for finished in iteration_stats.finished_requests:
                 families.finished(str(finished.finish_reason)).increment(1)
+                families.queued_seconds.increment(finished.queued_time)
+                families.prefill_seconds.increment(finished.prefill_time)
 
     def log_engine_initialized(self) -> None:
         pass
@@ -252,10 +260,34 @@ class TritonEngineMetricFamilies:
             "Requests the engine finished, by finish reason (aborted ones are not reported)",
             counter,
         )
+        self._cache_queries_family = pb_utils.MetricFamily(
+            "vllm_engine_prefix_cache_queries_total",
+            "Prompt tokens the engine looked up in its prefix cache",
+            counter,
+        )
+        self._cache_hits_family = pb_utils.MetricFamily(
+            "vllm_engine_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (their prefill was skipped)",
+            counter,
+        )
+        self._queued_family = pb_utils.MetricFamily(
+            "vllm_engine_request_queued_seconds_total",
+            "Time finished requests waited in the engine's queue before their first step",
+            counter,
+        )
+        self._prefill_family = pb_utils.MetricFamily(
+            "vllm_engine_request_prefill_seconds_total",
+            "Time finished requests spent from their first step to their first token",
+            counter,
+        )
         self.running = self._running_family.Metric(labels=self._labels)
         self.waiting = self._waiting_family.Metric(labels=self._labels)
         self.kv_cache_usage = self._kv_family.Metric(labels=self._labels)
         self.generation_tokens = self._tokens_family.Metric(labels=self._labels)
+        self.prefix_cache_queries = self._cache_queries_family.Metric(labels=self._labels)
+        self.prefix_cache_hits = self._cache_hits_family.Metric(labels=self._labels)
+        self.queued_seconds = self._queued_family.Metric(labels=self._labels)
+        self.prefill_seconds = self._prefill_family.Metric(labels=self._labels)
         self._finished: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -273,8 +305,12 @@ class TritonEngineMetricFamilies:
         with self._lock:
             self._finished.clear()
         self.running = self.waiting = self.kv_cache_usage = self.generation_tokens = None
+        self.prefix_cache_queries = self.prefix_cache_hits = None
+        self.queued_seconds = self.prefill_seconds = None
         self._running_family = self._waiting_family = self._kv_family = None
         self._tokens_family = self._finished_family = None
+        self._cache_queries_family = self._cache_hits_family = None
+        self._queued_family = self._prefill_family = None
 
     def logger_factory(self) -> Callable[..., EngineMetrics]:
         """What vLLM's stat_loggers expects: a callable (vllm_config, engine_index)."""

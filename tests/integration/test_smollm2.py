@@ -16,6 +16,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
@@ -182,6 +183,25 @@ async def test_stream_yields_deltas_then_final_and_counts_tokens(smollm2: LocalT
     # Each response counts the tokens of its delta; together: every token generated.
     assert sum(c.num_output_tokens or 0 for c in streamed) == 24 == whole.num_output_tokens
     assert "".join(c.text for c in streamed) == whole.text
+
+
+async def test_prefix_cache_lookups_and_hits_are_counted(smollm2: LocalTriton) -> None:
+    queries, hits = "vllm_engine_prefix_cache_queries_total", "vllm_engine_prefix_cache_hits_total"
+    # About 400 tokens, new to this engine: the first call computes them all, the second
+    # finds at least its first full blocks (128 tokens each on CPUs) cached.
+    prompt = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 40
+    before = engine_metrics(smollm2)
+    for _ in range(2):
+        await generate(
+            generation_inputs(prompt, stream=False, sampling={**GREEDY, "max_tokens": 1}),
+            url=smollm2.ports.grpc_url,
+        )
+    # The engine reports a step's counters just after that step's outputs: poll.
+    deadline = time.monotonic() + 10
+    while (after := engine_metrics(smollm2))[hits] - before[hits] < 256:
+        assert time.monotonic() < deadline, f"no prefix cache hits counted: {before} -> {after}"
+        await asyncio.sleep(0.1)
+    assert after[queries] - before[queries] >= 2 * 300
 
 
 async def test_cancelled_stream_is_aborted_in_the_engine(smollm2: LocalTriton) -> None:
