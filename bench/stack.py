@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.launcher import LOOPBACK, LocalTriton, TritonPorts
 
@@ -30,6 +31,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def metric_samples(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus endpoint (Triton's metrics port, the gateway's), as
+    (name, labels, value)."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
