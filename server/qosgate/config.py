@@ -329,10 +329,13 @@ class RoutingConfig(_Frozen):
     """How many leading bytes of the rendered prompt make the affinity key: about the
     length of the shared part (system prompt, template); longer keys reach into the
     per-request text and scatter calls that share a prefix."""
-    load_factor: float = Field(default=1.25, ge=1)
+    load_factor: float = Field(default=2.0, ge=1)
     """No upstream takes a call that would bring its calls in flight above load_factor x
     the average over the candidates (rounded up); such a call goes to the
-    next upstream on the key's ring. 1: strict balance, larger: more affinity."""
+    next upstream on the key's ring. 1: strict balance, larger: more affinity. The
+    default, 2, lets the replica owning a larger share of the keys keep them (on two
+    replicas it never spills); a tighter bound spills calls to replicas whose caches
+    lack their prefix (README: "Routing across replicas")."""
     max_engine_waiting: int | None = Field(default=None, ge=0)
     """An upstream whose engine has more requests waiting than this for the model (read
     from its `metrics_url`) is saturated and passed over; unset: engine queues ignored."""
