@@ -25,7 +25,7 @@ import tempfile
 from bench import load, plots
 from bench.report import Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
-from bench.stack import Stack, checked, gateway_available, metric_samples
+from bench.stack import Stack, checked, gateway_available, group_cpu_seconds, metric_samples
 from bench.stats import percentile
 from qosgate import paths
 from qosgate.v1 import generation_pb2
@@ -93,15 +93,22 @@ ENGINE_COUNTERS = {
 }
 
 
+# What a replica's whole process group (Triton, the python stub, vLLM's processes) spent:
+# the work a cache hit saves, which the machine's other jobs do not blur as they blur times.
+COUNTERS = (*ENGINE_COUNTERS, "cpu_s")
+
+
 def engine_counters(stack: Stack) -> list[dict[str, float]]:
-    """Each replica's ENGINE_COUNTERS for MODEL, from its Triton metrics port."""
+    """Each replica's COUNTERS for MODEL: its Triton metrics, its processes' CPU time."""
     readings = []
     for replica in stack.replicas:
-        totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+        totals = dict.fromkeys(COUNTERS, 0.0)
         for name, labels, value in metric_samples(replica.ports.metrics_url):
             for key, metric in ENGINE_COUNTERS.items():
                 if name == metric and labels.get("model") == MODEL:
                     totals[key] += value
+        assert replica.pid is not None
+        totals["cpu_s"] = group_cpu_seconds(replica.pid)
         readings.append(totals)
     return readings
 
@@ -123,7 +130,7 @@ class Run:
     outcomes: list[load.Outcome] = dataclasses.field(default_factory=list)
     window: tuple[float, float] = (0.0, 0.0)
     engines: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    """Per replica: ENGINE_COUNTERS' growth over the counted window."""
+    """Per replica: COUNTERS' growth over the counted window."""
     routed: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     """(upstream, outcome): the gateway's choices over the counted window."""
 
@@ -152,6 +159,7 @@ class Run:
             finished = max(engine["finished"], 1.0)
             row[f"{name} queued ms"] = round(1e3 * engine["queued_s"] / finished)
             row[f"{name} prefill ms"] = round(1e3 * engine["prefill_s"] / finished)
+            row[f"{name} CPU ms/call"] = round(1e3 * engine["cpu_s"] / finished)
         row["spilled %"] = round(100 * sum(v for (_, o), v in self.routed.items() if o != "affinity") / calls) \
             if self.policy == "prefix_affinity" else None
         return row
@@ -163,9 +171,11 @@ def pooled(runs: list[Run], policy: str) -> dict[str, float]:
     ttft = [t for r in mine for t in r.ttft_ms()]
     hits = sum(e["cache_hits"] for r in mine for e in r.engines)
     queries = sum(e["cache_queries"] for r in mine for e in r.engines)
+    cpu = sum(e["cpu_s"] for r in mine for e in r.engines)
+    finished = sum(e["finished"] for r in mine for e in r.engines)
     return {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99),
             "tokens/s": sum(r.tokens() for r in mine) / sum(r.seconds for r in mine),
-            "cache hits %": 100 * hits / max(queries, 1.0)}
+            "cache hits %": 100 * hits / max(queries, 1.0), "CPU ms/call": 1e3 * cpu / max(finished, 1.0)}
 
 
 def chat_request(tenant: int, question: str) -> generation_pb2.GenerateStreamRequest:
@@ -198,7 +208,7 @@ async def measure(stack: Stack, url: str, run: Run, warmup: float, seconds: floa
         engines_after, routed_after = await asyncio.to_thread(lambda: (engine_counters(stack), routed_counts(stack)))
     finally:
         await target.close()
-    run.engines = [{k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    run.engines = [{k: after[k] - before[k] for k in COUNTERS}
                    for before, after in zip(engines_before, engines_after, strict=True)]
     run.routed = {k: v - routed_before.get(k, 0.0) for k, v in routed_after.items()}
     log.info("%s", run.row())
@@ -242,32 +252,39 @@ def run(ctx: RunContext) -> ScenarioResult:
                reference=f"prefix_affinity {affinity['tokens/s']:.1f}, least_loaded {least['tokens/s']:.1f}"),
         Figure("prefix cache hits (prompt tokens), prefix_affinity", affinity["cache hits %"], "%",
                reference=f"least_loaded {least['cache hits %']:.0f}%"),
+        Figure("replicas' CPU per call, prefix_affinity / least_loaded",
+               100 * affinity["CPU ms/call"] / least["CPU ms/call"], "%",
+               reference=f"prefix_affinity {affinity['CPU ms/call']:.0f} ms, "
+               f"least_loaded {least['CPU ms/call']:.0f} ms"),
     ]
     return ctx.result(figures, {"phases": [r.row() for r in runs]}, notes, plot=lambda path: draw(runs, path))
 
 
 def draw(runs: list[Run], path: pathlib.Path) -> None:
-    fig, (ttft, hits, tps, cdf) = plots.panels(4)
+    fig, (ttft, hits, cpu, tps, cdf) = plots.panels(5, width=4.4)
     figures = {policy: pooled(runs, policy) for policy in POLICIES}
     xs = range(len(POLICIES))
     ttft.bar([x - 0.2 for x in xs], [figures[p]["p50"] for p in POLICIES], 0.4, label="p50")
     ttft.bar([x + 0.2 for x in xs], [figures[p]["p99"] for p in POLICIES], 0.4, label="p99")
     ttft.set_xticks(list(xs), POLICIES)
     ttft.set_ylabel("ms")
-    ttft.set_title(f"time to first token, {TENANTS} tenants' system prompts")
+    ttft.set_title(f"time to first token ({TENANTS} tenants)")
     ttft.legend(fontsize=7)
     hits.bar(POLICIES, [figures[p]["cache hits %"] for p in POLICIES], color="tab:purple")
     hits.set_ylabel("% of prompt tokens")
-    hits.set_title(f"prefix cache hits ({KV_BLOCKS} x {CPU_BLOCK_TOKENS}-token blocks per replica)")
+    hits.set_title(f"prefix cache hits ({KV_BLOCKS} x {CPU_BLOCK_TOKENS}-token blocks)")
+    cpu.bar(POLICIES, [figures[p]["CPU ms/call"] for p in POLICIES], color="tab:red")
+    cpu.set_ylabel("CPU ms per call")
+    cpu.set_title("replicas' CPU per call served")
     tps.bar(POLICIES, [figures[p]["tokens/s"] for p in POLICIES], color="tab:green")
     tps.set_ylabel("tokens/s")
-    tps.set_title(f"output tokens/s, {CONCURRENCY} concurrent streams")
+    tps.set_title(f"output tokens/s ({CONCURRENCY} streams)")
     for policy in POLICIES:
         values = sorted(t for r in runs if r.policy == policy for t in r.ttft_ms())
         if values:
             cdf.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=policy)
     cdf.set_xlabel("time to first token, ms")
     cdf.set_ylabel("fraction of calls")
-    cdf.set_title("TTFT distribution (two smollm2 replicas, both phases)")
+    cdf.set_title("TTFT distribution (both phases)")
     cdf.legend(fontsize=7)
     plots.save(fig, path)
