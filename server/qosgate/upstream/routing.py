@@ -20,7 +20,7 @@ Two policies, chosen per model (`models.<name>.routing.policy`):
   one gets the call. The default factor is 2, not the paper's 1 + epsilon: replicas
   run tens of calls each, where 1.25 x the average is only a few calls above it, and a
   replica that owns a little more than its share of the keys (18 of 32 on two) then
-  sat at the bound and spilled 17-31% of calls in the routing bench. Each spilled call
+  sat at the bound and spilled 17-32% of calls in the routing bench. Each spilled call
   missed the cache and pushed a foreign prefix into the other replica's, so
   prefix_affinity found no more prompt tokens cached than least_loaded (57-69% against
   54-63%); at 2, nothing spilled and it found 75-87%. SGLang's cache-aware router leaves
