@@ -23,8 +23,9 @@ Two policies, chosen per model (`models.<name>.routing.policy`):
   sat at the bound and spilled 17-32% of calls in the routing bench. Each spilled call
   missed the cache and pushed a foreign prefix into the other replica's, so
   prefix_affinity found no more prompt tokens cached than least_loaded (57-69% against
-  54-63%); at 2, nothing spilled and it found 75-87%. SGLang's cache-aware router leaves
-  cache affinity only past an imbalance of 64 requests and 1.5 x, for the same reason.
+  54-63%); at 2, nothing spilled and it found 75-87%. The SGLang model gateway's
+  `cache_aware` policy, for the same reason, leaves cache affinity only past an
+  imbalance of 64 requests and 1.5 x.
 
 How this meets the engines' caches: vLLM's automatic prefix caching (on by default in
 vLLM's V1 engine; our backend sets `enable_prefix_caching` in model.json) keeps KV blocks
