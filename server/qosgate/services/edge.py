@@ -187,6 +187,13 @@ async def _answer(context: grpc.aio.ServicerContext, error: Exception) -> None:
     _clear_frames(error)
     if isinstance(error, grpc.aio.AbortError):
         raise error  # the servicer already answered (e.g. Triton's own error passed through)
+    if context.done():
+        # The call is over: the servicer's own abort started (grpc counts it) but could
+        # not send its status because the caller had gone or its deadline had passed, so
+        # grpc's send error came here instead of the abort's. There is no one to answer,
+        # and a second abort would fail ("Abort already called!"); returning lets grpc
+        # end the call as the first abort left it.
+        return
     await status.abort(context, error)
 
 
