@@ -8,7 +8,11 @@ returned), not timed; the calls made beside them only carry generous deadlines.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import logging
 import queue
+import random
 import re
 import threading
 import time
@@ -143,6 +147,52 @@ def test_one_stream_over_max_streams_is_refused_with_retry_info(channel) -> None
             time.sleep(0.1)
         finally:
             again.close()
+
+
+async def _closed_loop_streams(url: str, raw: bytes, *, streams: int, seconds: float) -> collections.Counter[str]:
+    """`streams` callers, each opening ModelStreamInfer streams one after another and
+    sending on each until it ends (deadlines of 20-300 ms: most end at their deadline,
+    some while Triton's answer is on its way); refused ones retry after 10 ms."""
+    codes: collections.Counter[str] = collections.Counter()
+    until = time.monotonic() + seconds
+
+    async def caller(channel: grpc.aio.Channel) -> None:
+        while time.monotonic() < until:
+            call = channel.stream_stream(STREAM)(metadata=auth(ACME_KEY), timeout=random.uniform(0.02, 0.3))
+            try:
+                while True:
+                    await call.write(raw)
+                    if await call.read() is grpc.aio.EOF:
+                        break
+            except grpc.aio.AioRpcError as e:
+                codes[e.code().name] += 1
+                if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    await asyncio.sleep(0.01)
+            except asyncio.InvalidStateError:  # wrote after the status came: counted by its read
+                codes["ended"] += 1
+            finally:
+                call.cancel()
+
+    async with grpc.aio.insecure_channel(url) as channel:
+        await asyncio.gather(*(caller(channel) for _ in range(streams)))
+    return codes
+
+
+def test_streams_over_max_streams_ending_at_their_deadlines_are_each_answered_once(gateway, caplog) -> None:
+    """A bench on main (64 closed-loop streams, max_streams 32) logged `UsageError: Abort
+    already called!`: a stream passing Triton's DEADLINE_EXCEEDED on raced its caller's
+    own deadline, grpc failed to send that abort's status, and the edge took the send
+    error for a new failure and aborted the call a second time."""
+    caplog.set_level(logging.ERROR)
+    codes = asyncio.run(_closed_loop_streams(gateway.url, identity_request(4, "r"), streams=32, seconds=10))
+    assert codes["RESOURCE_EXHAUSTED"] and codes["DEADLINE_EXCEEDED"], codes
+    twice = [r for r in caplog.records if "UsageError" in r.getMessage() or "Abort already called" in r.getMessage()]
+    assert not twice, twice[0].getMessage()
+    # Every stream is given back (the gateway notices the cancels a moment later).
+    deadline = time.monotonic() + 30
+    while gateway.gateway.streams.open_streams("acme"):
+        assert time.monotonic() < deadline, "streams still counted open"
+        time.sleep(0.1)
 
 
 def test_a_stream_that_is_not_read_stops_pulling_from_triton_and_slows_no_one_else(
