@@ -198,6 +198,7 @@ class Gateway:
         await self.jobs.open()
         kserve = KServeService(
             config=self.config,
+            plane=self.dataplane,
             directory=self.directory,
             admission=self.admission,
             scheduler=self.scheduler,

@@ -5,7 +5,8 @@ gateway forwards what the caller sent without decoding tensors:
 
 - inference (ModelInfer; ModelStreamInfer per request inside the stream): identify (by
   `edge`, as for every RPC) → authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended to the
-  request bytes) → forward;
+  request bytes) → forward; each request of a stream is a call of the data plane
+  (dataplane/plane.py), which also counts and traces it;
 - model-scoped metadata (ModelReady/Metadata/Config/Statistics) and RepositoryIndex:
   forwarded after authentication, showing a tenant only its allowed models; asking about
   another model is PERMISSION_DENIED, whether or not it exists, so nothing leaks;
@@ -34,10 +35,11 @@ from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
+from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
 from qosgate.memory import HeapTrimmer
 from qosgate.metrics import GatewayMetrics
 from qosgate.quota import Admission, Refused, StreamLimiter
-from qosgate.scheduler import Dispatch, Scheduler
+from qosgate.scheduler import Scheduler
 from qosgate.scheduler.cost import unit_cost
 from qosgate.services import edge, infer_wire, status
 from qosgate.services.headers import text_headers
@@ -47,6 +49,8 @@ from qosgate.upstream.pool import METHODS, SERVICE
 log = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-priority"
+# Each request inside a stream is a data-plane call of this name (the `rpc` label).
+STREAM_RPC = "ModelStreamInfer"
 # Triton closes a stream at its first error when the caller sends this header; the
 # gateway then does the same for its own refusals.
 GRPC_ERROR_HEADER = "triton_grpc_error"
@@ -93,6 +97,7 @@ class KServeService:
         self,
         *,
         config: GatewayConfig,
+        plane: DataPlane,
         directory: TenantDirectory,
         admission: Admission,
         scheduler: Scheduler,
@@ -103,6 +108,7 @@ class KServeService:
         heap: HeapTrimmer,
     ) -> None:
         self._config = config
+        self._plane = plane
         self._directory = directory
         self._admission = admission
         self._scheduler = scheduler
@@ -345,18 +351,14 @@ class _InFlight:
 
     client_id: str
     wants_empty_final: bool
-    dispatch: Dispatch
+    scope: CallScope
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set with `done`, or earlier when the stream stalls (its caller does not read): the
-    # request then gives its dispatch slot back, so a stream that is not read never
-    # holds a model's window for other tenants.
-    slot_free: asyncio.Event = field(default_factory=asyncio.Event)
     failed: bool = False  # Triton answered with an error_message
 
     def end(self, failed: bool = False) -> None:
         self.failed = failed
         self.done.set()
-        self.slot_free.set()
+        self.scope.free_slot()
 
 
 class _Outbox:
@@ -426,10 +428,14 @@ class _StreamSession:
     get it. A refusal of one request is reported in the stream, as Triton reports a
     failed request, and the stream goes on.
 
+    Each request is a call of the data plane (`CallScope`): admitted, scheduled, counted
+    and traced like any other API's call, closed when its final response arrives.
+
     Everything a stream holds is bounded (`limits`): responses waiting for the caller
     (`stream_buffer_bytes`) and requests read and not finished (`stream_max_pending`).
     While the caller does not read, the session stops reading Triton's responses and the
-    caller's requests, and its requests at Triton give their dispatch slots back.
+    caller's requests, and its requests at Triton give their dispatch slots back
+    (`CallScope.free_slot`).
     """
 
     def __init__(
@@ -457,14 +463,13 @@ class _StreamSession:
 
     async def run(self) -> None:
         svc = self._svc
-        outcome = _Outcome("ModelStreamInfer", tenant=self._tenant.name)
         try:
             upstream = svc._pool.pick()
             opened = svc._streams.open(self._tenant)
             if isinstance(opened, Refused):
                 raise opened.error()
-        except errors.GatewayError as e:  # answered by the edge
-            svc._record(outcome, e)
+        except errors.GatewayError as e:  # answered by the edge; counted as a refused call
+            await svc._plane.open(STREAM_RPC, self._tenant, "", self._metadata).close(e)
             raise
         try:
             await self._relay(upstream)
@@ -479,7 +484,7 @@ class _StreamSession:
         self._upstream_name = upstream.name
         with upstream.lease():
             call = upstream.stream()(timeout=context.time_remaining(), metadata=forwarded)
-            pump = asyncio.create_task(self._pump(self._tenant, call))
+            pump = asyncio.create_task(self._pump(call))
             reader = asyncio.create_task(self._read(call))
             try:
                 while (item := await self._outbox.get()) is not None:
@@ -496,7 +501,7 @@ class _StreamSession:
                 call.cancel()
                 await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
 
-    async def _pump(self, tenant: Tenant, call: grpc.aio.StreamStreamCall) -> None:
+    async def _pump(self, call: grpc.aio.StreamStreamCall) -> None:
         pending = asyncio.Semaphore(self._svc._limits.stream_max_pending)
         requests = aiter(self._requests)
         try:
@@ -509,7 +514,7 @@ class _StreamSession:
                 except StopAsyncIteration:
                     break
                 self._svc._heap.message(len(raw))
-                task = asyncio.create_task(self._serve(tenant, call, raw))
+                task = asyncio.create_task(self._serve(call, raw))
                 del raw  # held by the task only, until it is sent upstream
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -521,76 +526,66 @@ class _StreamSession:
         except grpc.aio.AioRpcError:
             pass  # the upstream stream failed; the reader reports it
 
-    async def _serve(self, tenant: Tenant, call: grpc.aio.StreamStreamCall, raw: bytes) -> None:
+    async def _serve(self, call: grpc.aio.StreamStreamCall, raw: bytes) -> None:
+        """One request of the stream: a call of the data plane of its own, its refusal
+        answered in the stream (or ending it, under `triton_grpc_error`)."""
         svc = self._svc
-        outcome = _Outcome("ModelStreamInfer", tenant=tenant.name)
-        client_id = ""
-        verdict = None
+        malformed: errors.InvalidArgument | None = None
         try:
             head = svc._peek(raw)
-            client_id = head.id
-            klass = svc._authorize(tenant, self._metadata, head.model_name)
-            outcome.model, outcome.klass = head.model_name, klass
-            verdict = await svc._admission.admit(tenant)
-            if isinstance(verdict, Refused):
-                raise verdict.error()
-            deadline = svc._deadline(self._context)
-            # Nothing of a stream whose caller is not reading is dispatched.
-            await self._outbox.flowing.wait()
-            entry: _InFlight | None = None
-            gateway_id = ""
-            try:
-                async with svc._scheduler.slot(
-                    tenant=tenant,
-                    klass=klass,
-                    model=head.model_name,
-                    deadline=deadline,
-                    cost=svc._cost(head, raw),
-                ) as dispatch:
-                    svc._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
-                    fragment, _ = svc._dispatch_fragment(dispatch.priority_level, deadline)
-                    gateway_id = f"{self._prefix}{next(self._ids)}"
-                    started = time.perf_counter()
-                    entry = _InFlight(client_id, head.wants_empty_final, dispatch)
-                    self._in_flight[gateway_id] = entry
-                    if self._outbox.full():
-                        entry.slot_free.set()
-                    async with self._write_lock:
-                        await call.write(
-                            raw
-                            + fragment
-                            + infer_wire.id_fragment(gateway_id)
-                            + infer_wire.empty_final_fragment()
-                        )
-                    del raw  # sent: a request waiting at Triton does not keep its bytes here
-                    await entry.slot_free.wait()
-                # The slot may be back before the request is done (a stalled stream).
-                await entry.done.wait()
-                if entry.failed:
-                    # In-band errors carry no status code; the metric still must not say OK.
-                    outcome.code = "UPSTREAM_ERROR"
-                else:
-                    svc._metrics.model_served(head.model_name)
-            finally:
-                if entry is not None:
-                    self._in_flight.pop(gateway_id, None)
-                    svc._metrics.upstream_latency(
-                        self._upstream_name, head.model_name, time.perf_counter() - started
-                    )
-        except grpc.aio.AioRpcError:
-            return  # the upstream stream failed under us; the reader reports it
+        except errors.InvalidArgument as e:  # a call of no model, refused like any other
+            head, malformed = infer_wire.InferRequestHead(), e
+        try:
+            async with svc._plane.call(STREAM_RPC, self._tenant, head.model_name, self._metadata) as scope:
+                if malformed is not None:
+                    raise malformed
+                # Nothing of a stream whose caller is not reading is admitted.
+                await self._outbox.flowing.wait()
+                dispatching = self._dispatch(scope, call, head, raw)
+                del raw  # held by `_dispatch` only, which lets go of it once it is sent
+                await dispatching
         except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
-            svc._record(outcome, e)
             if self._close_on_error:
                 self._fatal = e
                 self._outbox.close()
             else:
-                await self._outbox.put(_stream_error(client_id, status.stream_error_message(e)))
-            return
+                await self._outbox.put(_stream_error(head.id, status.stream_error_message(e)))
+
+    async def _dispatch(
+        self, scope: CallScope, call: grpc.aio.StreamStreamCall, head: infer_wire.InferRequestHead, raw: bytes
+    ) -> None:
+        """Admit the request, send it up the stream and wait for its final response; the
+        reader (`_read`) reports its responses to the scope."""
+        svc = self._svc
+        cost = CallCost(fair_share=svc._cost(head, raw))
+        deadline = svc._plane.deadline(self._context.time_remaining())
+        dispatch = await scope.admit(cost, priority_class=self._metadata.get(PRIORITY_HEADER), deadline=deadline)
+        fragment = infer_wire.priority_fragment(dispatch.priority_level)
+        if scope.timeout_us is not None:
+            fragment += infer_wire.timeout_fragment(scope.timeout_us)
+        gateway_id = f"{self._prefix}{next(self._ids)}"
+        entry = _InFlight(head.id, head.wants_empty_final, scope)
+        self._in_flight[gateway_id] = entry
+        if self._outbox.full():
+            scope.free_slot()  # see `_deliver`
+        try:
+            scope.upstream_started(self._upstream_name)
+            try:
+                async with self._write_lock:
+                    await call.write(
+                        raw + fragment + infer_wire.id_fragment(gateway_id) + infer_wire.empty_final_fragment()
+                    )
+            except grpc.aio.AioRpcError as e:
+                # The upstream stream failed under us: the reader reports it to the caller.
+                await scope.close_with_code(e.code().name, e)
+                return
+            del raw  # sent: a request waiting at Triton does not keep its bytes here
+            await entry.done.wait()
         finally:
-            if verdict is not None and not isinstance(verdict, Refused):
-                await verdict.permit.release()
-        svc._record(outcome, None)
+            self._in_flight.pop(gateway_id, None)
+        if entry.failed:
+            # In-band errors carry no status code; the metric still must not say OK.
+            await scope.close_with_code("UPSTREAM_ERROR")
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         try:
@@ -600,7 +595,8 @@ class _StreamSession:
                 if entry is None:
                     await self._deliver(raw)
                     continue
-                entry.dispatch.responded()
+                if not head.is_error:
+                    entry.scope.responded()  # an error names no model that exists
                 if head.is_final:
                     entry.end(failed=head.is_error)
                     if not (head.has_outputs or head.is_error or entry.wants_empty_final):
@@ -611,8 +607,9 @@ class _StreamSession:
             # stream): only this session cancels the call itself, and then nobody listens.
             self._upstream_error = e
         finally:
+            # Requests Triton did not finish: failed if the upstream stream did.
             for entry in self._in_flight.values():
-                entry.end()
+                entry.end(failed=self._upstream_error is not None)
             self._outbox.close()
 
     async def _deliver(self, response: bytes) -> None:
@@ -621,6 +618,6 @@ class _StreamSession:
             # The caller is not reading: its requests at Triton give their slots back
             # rather than hold the model's window while this stream waits.
             for entry in self._in_flight.values():
-                entry.slot_free.set()
+                entry.scope.free_slot()
         self._svc._heap.message(len(response))
         await self._outbox.put(response)
