@@ -1,8 +1,11 @@
 """Wiring: one place where config becomes a running gateway.
 
-`Gateway` builds the domain (tenants, admission, scheduler) and the edge (KServe service,
-gRPC health reflecting upstream liveness, server reflection, Prometheus metrics) from a
-GatewayConfig, and owns their lifecycle. `serve` runs it until SIGINT/SIGTERM; `up` runs
+`Gateway` builds the domain (tenants, admission, scheduler) and the edge from a
+GatewayConfig, and owns their lifecycle. The edge is the HTTP/2 relay on `listen` (TLS
+terminated there): it serves KServe ModelInfer itself, under the gateway's policy, over
+persistent connections to each Triton, and hands every other call to an in-process grpcio
+server (the rest of KServe, qosgate.v1, gRPC health reflecting upstream liveness, server
+reflection) on a private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs
 it in front of a local tritonserver and stops both.
 """
 
@@ -59,7 +62,7 @@ from qosgate.upstream.engine import PoolEngineInfer, PoolEngineStreams
 from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
-from qosgate.tls import server_credentials
+from qosgate.tls import client_context, server_context
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
@@ -236,22 +239,12 @@ class Gateway:
             server,
         )
         tls = self.config.tls
-        relayed = self.config.kserve_path == "relay"
-        if relayed:
-            # The relay owns `listen` and hands every call it does not relay to this
-            # server, which only it can reach.
-            self._grpcio_dir = tempfile.TemporaryDirectory(prefix="qosgate-grpcio-")
-            grpcio_address = f"unix:{self._grpcio_dir.name}/grpcio.sock"
-            if server.add_insecure_port(grpcio_address) == 0:
-                raise OSError(f"cannot listen on {grpcio_address}")
-        else:
-            self.port = (
-                server.add_secure_port(self.config.listen, server_credentials(tls))
-                if tls is not None
-                else server.add_insecure_port(self.config.listen)
-            )
-            if self.port == 0:
-                raise OSError(f"cannot listen on {self.config.listen}")
+        # The relay owns `listen` and hands every call it does not serve itself to this
+        # server, which only it can reach (a directory of this process's user only).
+        self._grpcio_dir = tempfile.TemporaryDirectory(prefix="qosgate-grpcio-")
+        grpcio_address = f"unix:{self._grpcio_dir.name}/grpcio.sock"
+        if server.add_insecure_port(grpcio_address) == 0:
+            raise OSError(f"cannot listen on {grpcio_address}")
 
         self.pool.on_health_change(self._publish_health)
         await self._publish_health(False)
@@ -282,8 +275,7 @@ class Gateway:
             await self.openai.start()
         await server.start()
         self._server = server
-        if relayed:
-            self.port = await self._start_relay(grpcio_address)
+        self.port = await self._start_relay(grpcio_address)
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
@@ -297,14 +289,20 @@ class Gateway:
         )
 
     async def _start_relay(self, grpcio_address: str) -> int:
-        """`kserve_path: relay`: ModelInfer relayed to Triton under the gateway's policy,
-        every other call to the grpcio server; returns the listening port."""
-        relay = self._relay = Relay(max_message_size=self.config.limits.max_request_bytes)
-        upstream = self.config.upstreams[0]
-        triton = relay.upstream(upstream.url)
+        """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
+        policy, every other call to the grpcio server; returns the listening port."""
+        limits = self.config.limits
+        tls = self.config.tls
+        relay = self._relay = Relay(
+            max_message_size=limits.max_request_bytes, tls=server_context(tls) if tls is not None else None
+        )
+        tritons = {
+            u.name: relay.upstream(u.url, tls=client_context(u.tls) if u.tls is not None else None)
+            for u in self.config.upstreams
+        }
         grpcio = relay.upstream(grpcio_address, connections=1)
-        await triton.start()
-        await grpcio.start()
+        for pool in (*tritons.values(), grpcio):
+            await pool.start()
         policy = InferAdmissionPolicy(
             config=self.config,
             directory=self.directory,
@@ -312,11 +310,17 @@ class Gateway:
             scheduler=self.scheduler,
             metrics=self.metrics,
             clock=self.clock,
-            upstream=triton,
-            upstream_name=upstream.name,
-            retry_after_s=self._health_check_interval_s,
+            pool=self.pool,
+            connections=tritons,
+            heap=self.heap,
         )
-        relay.route(f"/{KSERVE_SERVICE}/ModelInfer".encode(), triton, policy)
+        # The policy names each call's upstream; the route's own pool is not used.
+        relay.route(
+            f"/{KSERVE_SERVICE}/ModelInfer".encode(),
+            next(iter(tritons.values())),
+            policy,
+            max_response_size=limits.max_response_bytes,
+        )
         relay.route(b"/", grpcio)
         host, _, port = self.config.listen.rpartition(":")
         return await relay.listen(host.strip("[]"), int(port))

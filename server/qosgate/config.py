@@ -629,11 +629,6 @@ class GatewayConfig(_Frozen):
     """The OpenAI-compatible HTTP API."""
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     """OpenTelemetry tracing and its OTLP exporter (off by default)."""
-    kserve_path: Literal["grpcio", "relay"] = "grpcio"
-    """How ModelInfer reaches Triton: `grpcio` (a gRPC call per request), or `relay` (the
-    HTTP/2 relay, qosgate.relay, moving frames on persistent connections; every other RPC
-    then goes to the grpcio server over a unix socket). A migration switch: plaintext
-    listener and one plaintext upstream only, for now."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> GatewayConfig:
@@ -662,12 +657,6 @@ class GatewayConfig(_Frozen):
             if upstream.name in seen_upstreams:
                 yield _FieldProblem(f"upstreams[{i}].name", f"duplicate upstream {upstream.name!r}")
             seen_upstreams.add(upstream.name)
-
-        if self.kserve_path == "relay":
-            if self.tls is not None:
-                yield _FieldProblem("kserve_path", "the relay does not terminate TLS yet: unset tls")
-            if len(self.upstreams) != 1 or self.upstreams[0].tls is not None:
-                yield _FieldProblem("kserve_path", "the relay serves exactly one plaintext upstream for now")
 
         sched = self.scheduler
         for klass, share in sched.floor_share_by_class.items():

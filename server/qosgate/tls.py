@@ -1,25 +1,36 @@
-"""TLS at the gRPC edges: the listener's credentials, the upstream channels' credentials,
-and the caller's verified client certificate taken from a call's auth context.
+"""TLS at the gateway's edges: the listener's context (the relay terminates TLS), the
+upstreams' (grpcio channels for health and the qosgate.v1 planes, the relay's HTTP/2
+connections for KServe), and the caller's verified client certificate.
 
 The config has already checked that every file exists and parses (config.py); here the
-files are read when a listener or channel is made. Key bytes go only to grpc, never to a
-log or an error message.
+files are read when a listener or connection is made. Key bytes go only to the TLS
+library, never to a log or an error message.
+
+The relay owns the listener and hands the calls it does not relay itself to the
+in-process grpcio server over a private unix socket. That server never sees the TLS
+handshake, so the relay passes the verified certificate on in two headers it sets after
+removing any a caller sent (`certificate_headers`); the grpcio edge reads them back
+(`certificate_from_metadata`). Only the relay can reach that socket.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import ssl
+from collections.abc import Iterable
 
 import grpc
 
 from qosgate.auth import ClientCertificate
 from qosgate.config import ListenerTlsConfig, UpstreamTlsConfig
 
-# Properties grpc's TLS transport puts in a call's auth context (grpc_security_constants.h).
-_PEM_CERT = "x509_pem_cert"
-_SANS = "x509_subject_alternative_name"
+# The headers the relay sets for the grpcio server; a caller's own are dropped first.
+PEER_HEADER_PREFIX = b"qosgate-peer-"
+_CERT_SHA256 = PEER_HEADER_PREFIX + b"cert-sha256"
+_CERT_SAN = PEER_HEADER_PREFIX + b"cert-san"
+# grpcio hands metadata keys over as text.
+_CERT_SHA256_KEY, _CERT_SAN_KEY = _CERT_SHA256.decode(), _CERT_SAN.decode()
+_ALPN = ["h2"]
 
 
 def _read(path: str) -> bytes:
@@ -27,19 +38,32 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def server_credentials(config: ListenerTlsConfig) -> grpc.ServerCredentials:
-    """The listener's TLS: its certificate and key; with `client_ca`, client certificates
-    are required and verified against it (grpc's Python API cannot ask for an optional one)."""
-    client_ca = _read(config.client_ca) if config.client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(_read(config.key), _read(config.cert))],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
+def server_context(config: ListenerTlsConfig) -> ssl.SSLContext:
+    """The listener's TLS (HTTP/2 by ALPN): its certificate and key; with `client_ca`,
+    client certificates are required and verified against it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(config.cert, config.key)
+    context.set_alpn_protocols(_ALPN)
+    if config.client_ca is not None:
+        context.load_verify_locations(cafile=config.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(config: UpstreamTlsConfig) -> ssl.SSLContext:
+    """TLS to a Triton for the relay's connections: verify it against `ca` (or the system
+    roots); present `cert` when set."""
+    context = ssl.create_default_context(cafile=config.ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(_ALPN)
+    if config.cert is not None:
+        context.load_cert_chain(config.cert, config.key)
+    return context
 
 
 def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials:
-    """TLS to a Triton: verify it against `ca` (or the system roots); present `cert` when set."""
+    """TLS to a Triton for grpcio channels: the same trust and certificate as `client_context`."""
     return grpc.ssl_channel_credentials(
         root_certificates=_read(config.ca) if config.ca is not None else None,
         private_key=_read(config.key) if config.key is not None else None,
@@ -47,22 +71,35 @@ def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials:
     )
 
 
-def client_certificate(context: grpc.aio.ServicerContext) -> ClientCertificate | None:
-    """The certificate the caller presented in the TLS handshake (grpc has verified it
-    against `tls.client_ca` before any call arrives), or None on a plaintext or
-    server-only TLS connection."""
-    properties = context.auth_context()
-    pem = next(iter(properties.get(_PEM_CERT, ())), None)
-    if pem is None:
+def peer_certificate(ssl_object: ssl.SSLObject | None) -> ClientCertificate | None:
+    """The certificate the caller presented in the handshake (verified against
+    `tls.client_ca` before the connection was accepted), or None without one."""
+    if ssl_object is None:
         return None
-    return _certificate(pem, tuple(properties.get(_SANS, ())))
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        return None
+    # subjectAltName entries are (kind, value) pairs: ("URI", "spiffe://..."), ("DNS", ...).
+    entries = (ssl_object.getpeercert() or {}).get("subjectAltName", ())
+    sans = tuple(str(entry[1]) for entry in entries)
+    return ClientCertificate(sha256=hashlib.sha256(der).hexdigest(), sans=sans)
 
 
-@functools.lru_cache(maxsize=256)
-def _certificate(pem: bytes, sans: tuple[bytes, ...]) -> ClientCertificate:
-    # Every call on a connection carries the same certificate: decode and hash it once.
-    der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))
-    return ClientCertificate(
-        sha256=hashlib.sha256(der).hexdigest(),
-        sans=tuple(san.decode("utf-8", errors="replace") for san in sans),
-    )
+def certificate_headers(certificate: ClientCertificate) -> list[tuple[bytes, bytes]]:
+    """`certificate` as the headers the grpcio edge reads back."""
+    return [
+        (_CERT_SHA256, certificate.sha256.encode()),
+        *((_CERT_SAN, san.encode("utf-8", "replace")) for san in certificate.sans),
+    ]
+
+
+def certificate_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> ClientCertificate | None:
+    """The certificate the relay passed on in a call's metadata, or None."""
+    sha256 = None
+    sans: list[str] = []
+    for key, value in metadata:
+        if key == _CERT_SHA256_KEY:
+            sha256 = value if isinstance(value, str) else value.decode()
+        elif key == _CERT_SAN_KEY:
+            sans.append(value if isinstance(value, str) else value.decode())
+    return None if sha256 is None else ClientCertificate(sha256=sha256, sans=tuple(sans))

@@ -82,9 +82,6 @@ def gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
             },
         ],
     }
-    # QOSGATE_TEST_KSERVE_PATH=relay runs a test module's gateways with ModelInfer on
-    # the HTTP/2 relay (the `kserve_path` migration switch).
-    raw["kserve_path"] = os.environ.get("QOSGATE_TEST_KSERVE_PATH", "grpcio")
     raw.update(overrides)
     return parse_config(raw, source="<test config>")
 

@@ -274,11 +274,3 @@ def test_reload_refuses_tenants_that_do_not_fit_the_running_config() -> None:
         f"tenants[0].default_class: unknown class 'gold' {CLASSES}",
         "batch.tenants.acme: unknown tenant 'acme'",
     ]
-
-
-def test_relay_path_needs_a_plaintext_listener_and_one_plaintext_upstream() -> None:
-    two = [{"name": "a", "url": "127.0.0.1:1"}, {"name": "b", "url": "127.0.0.1:2"}]
-    with pytest.raises(ConfigError, match=r"kserve_path: the relay serves exactly one plaintext upstream"):
-        parse_config({"kserve_path": "relay", "upstreams": two}, source="c.yaml")
-    assert parse_config({"kserve_path": "relay"}, source="c.yaml").kserve_path == "relay"
-    assert parse_config({}, source="c.yaml").kserve_path == "grpcio"

@@ -12,7 +12,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from qosgate.auth import ClientCertificate
+
+if TYPE_CHECKING:
+    from qosgate.relay.upstream import UpstreamPool
 
 Header = tuple[bytes, bytes]
 
@@ -35,6 +40,7 @@ class CallHead:
     headers: Sequence[Header]
     first_message: bytes  # uncompressed; empty when the caller sent no message
     timeout: float | None  # seconds left from grpc-timeout when asked; None without one
+    certificate: ClientCertificate | None = None  # the caller's verified TLS certificate
 
     def header(self, name: bytes) -> bytes | None:
         """The last value of a header (lower-case name), as gRPC metadata merges them."""
@@ -67,6 +73,11 @@ class Forward:
     set_headers: Sequence[Header] = ()  # replace headers of the same name, or add
     append: bytes = b""  # appended to the first message (protobuf merges it)
     on_finish: Callable[[CallEnd], None] | None = None
+    upstream: UpstreamPool | None = None  # where to; None: the route's pool
+    # Asked when the upstream fails the call UNAVAILABLE (or drops it) before any response,
+    # while the relay still holds the whole request: another pool to send it to once, or
+    # None to pass the failure on.
+    failover: Callable[[], UpstreamPool | None] | None = None
 
 
 @dataclass(slots=True)

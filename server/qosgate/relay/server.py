@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qosgate.auth import ClientCertificate
 from qosgate.relay import framing, http2
 from qosgate.relay.peer import Flusher, Peer, Pipe
 from qosgate.relay.policy import (
@@ -35,6 +37,7 @@ from qosgate.relay.policy import (
     status_headers,
 )
 from qosgate.relay.upstream import UpstreamConnection, UpstreamPool
+from qosgate.tls import PEER_HEADER_PREFIX, certificate_headers, peer_certificate
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +45,20 @@ _GRPC_TIMEOUT = b"grpc-timeout"
 _GRPC_ENCODING = b"grpc-encoding"
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _CANCEL = int(http2.ErrorCode.CANCEL)
-# Response messages are counted, not bounded: the upstream enforces its own limit.
+_REFUSED_STREAM = int(http2.ErrorCode.REFUSED_STREAM)
+# Response messages of a route without a bound are counted only (its server bounds them).
 _UNBOUNDED = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Calls whose `:path` starts with `prefix` go to `pool`, asking `policy` first if set."""
+    """Calls whose `:path` starts with `prefix` go to `pool`, asking `policy` first if set;
+    a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED."""
 
     prefix: bytes
     pool: UpstreamPool
     policy: CallPolicy | None = None
+    max_response_size: int = _UNBOUNDED
 
 
 def parse_timeout(value: bytes) -> float | None:
@@ -75,7 +81,7 @@ class Call:
     __slots__ = (
         "down", "down_id", "up", "up_id", "headers", "route", "request", "response",
         "first", "pending", "client_done", "responded", "finished", "on_finish",
-        "requests", "responses", "deadline", "timer", "decision_task",
+        "requests", "responses", "deadline", "timer", "decision_task", "sent_headers", "replay",
     )  # fmt: skip
 
     def __init__(self, down: DownstreamConnection, stream_id: int, headers: Sequence[http2.Header]) -> None:
@@ -98,6 +104,10 @@ class Call:
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.decision_task: asyncio.Future[Decision] | None = None
+        self.sent_headers: Sequence[http2.Header] = ()
+        # The whole request as sent upstream, kept until the first response so that a
+        # call the upstream failed before answering can go to another one (Forward.failover).
+        self.replay: bytes | None = None
 
     # -- from the caller ------------------------------------------------------------------
 
@@ -109,6 +119,7 @@ class Call:
             self.refuse(Refuse(UNIMPLEMENTED, f"no route for {path.decode(errors='replace')}"))
             return
         self.route = route
+        self.responses = framing.MessageScanner(route.max_response_size)
         timeout = _header(self.headers, _GRPC_TIMEOUT)
         if timeout is not None:
             seconds = parse_timeout(timeout)
@@ -118,7 +129,7 @@ class Call:
                 self.timer = loop.call_at(self.deadline, self.deadline_passed)
         self.client_done = end_stream
         if route.policy is None:
-            self.forward(self.headers, end_stream)
+            self.forward(route.pool, self.down.pass_on(self.headers), end_stream)
         elif end_stream:  # no message at all: the policy decides on the headers alone
             self.decide(b"")
         else:
@@ -202,7 +213,7 @@ class Call:
     def decide(self, message: bytes, first: framing.FirstMessage | None = None) -> None:
         assert self.route is not None and self.route.policy is not None
         left = None if self.deadline is None else self.deadline - self.down.relay.loop.time()
-        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, left)
+        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, left, self.down.certificate)
         try:
             decision = self.route.policy(head)
         except Exception:
@@ -252,16 +263,19 @@ class Call:
                 resent = framing.frame(first.payload or b"", compressed=first.compressed)
             self.pending.insert(0, resent)
             self.request.credit = len(resent)  # its bytes were acknowledged as they came
-        self.forward(headers, self.client_done and not self.pending)
+            if decision.failover is not None and self.client_done and not any(self.pending[1:]):
+                self.replay = resent
+        assert self.route is not None
+        self.forward(decision.upstream or self.route.pool, headers, self.client_done and not self.pending)
 
     # -- upstream ---------------------------------------------------------------------------
 
-    def forward(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
-        assert self.route is not None
-        up = self.route.pool.pick()
+    def forward(self, pool: UpstreamPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
+        up = pool.pick()
         if up is None:
             self.fail(Refuse(UNAVAILABLE, "no upstream connection"))
             return
+        self.sent_headers = headers
         self.up = up
         self.up_id = up.open_stream(headers, self, end_stream=end_stream)
         self.response = Pipe(up, self.up_id)
@@ -275,9 +289,35 @@ class Call:
             for index, chunk in enumerate(pending):
                 request.push(chunk, end_stream=self.client_done and index == last)
 
+    def fail_over(self) -> bool:
+        """Send the held request to the upstream the policy names instead, once; False
+        when there is none (or the request is not held whole)."""
+        replay, self.replay = self.replay, None
+        decision = self.on_finish
+        if replay is None or decision is None or decision.failover is None or self.finished:
+            return False
+        pool = decision.failover()
+        if pool is None:
+            return False
+        old = self.up
+        if old is not None:
+            old.streams.pop(self.up_id, None)  # its later events are not this call's
+            old.h2.reset(self.up_id, _CANCEL)
+            old.touch()
+        self.up = None
+        self.pending = [replay]
+        self.request.pushed = 0
+        self.request.credit = len(replay)
+        self.forward(pool, self.sent_headers, False)
+        return True
+
     def upstream_headers(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
         if self.finished:
             return
+        if self.replay is not None:
+            if end_stream and _status_of(headers) == UNAVAILABLE and self.fail_over():
+                return
+            self.replay = None
         self.responded = True
         self.down.h2.send_response(self.down_id, headers, end_stream=end_stream)
         self.down.touch()
@@ -291,7 +331,12 @@ class Call:
         if self.finished or not self.responded:
             response.release(len(data))
             return
-        self.responses.scan(data)
+        try:
+            self.responses.scan(data)
+        except framing.MessageTooLarge as e:
+            response.release(len(data))
+            self.fail(Refuse(RESOURCE_EXHAUSTED, str(e)))
+            return
         response.push(data, end_stream=end_stream)
         if end_stream:
             self.end(None, None)
@@ -306,6 +351,8 @@ class Call:
     def upstream_reset(self, error_code: int) -> None:
         if self.finished:
             return
+        if error_code == _REFUSED_STREAM and not self.responded and self.fail_over():
+            return
         self.down.h2.reset(self.down_id, error_code)
         self.down.touch()
         self.end(None, error_code)
@@ -317,8 +364,9 @@ class Call:
     def upstream_lost(self) -> None:
         if self.response is not None:
             self.response.drop()
-        if not self.finished:
-            self.fail(Refuse(UNAVAILABLE, "upstream connection lost"))
+        if self.finished or (not self.responded and self.fail_over()):
+            return
+        self.fail(Refuse(UNAVAILABLE, "upstream connection lost"))
 
     # -- ends -------------------------------------------------------------------------------
 
@@ -358,6 +406,7 @@ class Call:
         if self.finished:
             return
         self.finished = True
+        self.replay = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -382,10 +431,21 @@ class DownstreamConnection(Peer):
         super().__init__(relay.flusher, server=True, max_concurrent_streams=relay.max_concurrent_streams)
         self.relay = relay
         self.calls: dict[int, Call] = {}
+        self.certificate: ClientCertificate | None = None
+        self._certificate_headers: list[http2.Header] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.relay.clients.add(self)
+        # Over TLS the handshake (and client certificate verification) is done by now.
+        self.certificate = peer_certificate(transport.get_extra_info("ssl_object"))
+        if self.certificate is not None:
+            self._certificate_headers = certificate_headers(self.certificate)
         super().connection_made(transport)
+
+    def pass_on(self, headers: Sequence[http2.Header]) -> list[http2.Header]:
+        """A call's headers for a server behind a route without a policy (the gateway's
+        grpcio server): the caller's verified certificate set, any such header it sent dropped."""
+        return [*(h for h in headers if not h[0].startswith(PEER_HEADER_PREFIX)), *self._certificate_headers]
 
     def handle(self, events: list[http2.Event]) -> None:
         calls = self.calls
@@ -423,7 +483,15 @@ class DownstreamConnection(Peer):
 class Relay:
     """The HTTP/2 gRPC relay: its upstream pools, routes, limits and listening socket."""
 
-    def __init__(self, *, max_message_size: int = 64 << 20, max_concurrent_streams: int = 1000) -> None:
+    def __init__(
+        self,
+        *,
+        max_message_size: int = 64 << 20,
+        max_concurrent_streams: int = 1000,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """`tls`: terminate TLS on the listener (its ALPN must offer h2)."""
+        self._tls = tls
         self.routes: list[Route] = []
         self.max_message_size = max_message_size
         self.max_concurrent_streams = max_concurrent_streams
@@ -433,15 +501,23 @@ class Relay:
         self.clients: set[DownstreamConnection] = set()
         self._server: asyncio.Server | None = None
 
-    def upstream(self, address: str, *, connections: int = 2) -> UpstreamPool:
-        """A pool of connections to `address` (`host:port` or `unix:/path`); start() it."""
-        pool = UpstreamPool(self.flusher, address, size=connections)
+    def upstream(self, address: str, *, connections: int = 2, tls: ssl.SSLContext | None = None) -> UpstreamPool:
+        """A pool of connections to `address` (`host:port` or `unix:/path`, over TLS with
+        `tls`); start() it."""
+        pool = UpstreamPool(self.flusher, address, size=connections, tls=tls)
         self._pools.append(pool)
         return pool
 
-    def route(self, prefix: bytes, pool: UpstreamPool, policy: CallPolicy | None = None) -> None:
+    def route(
+        self,
+        prefix: bytes,
+        pool: UpstreamPool,
+        policy: CallPolicy | None = None,
+        *,
+        max_response_size: int = _UNBOUNDED,
+    ) -> None:
         """Calls whose `:path` starts with `prefix` go to `pool` (first match wins)."""
-        self.routes.append(Route(prefix, pool, policy))
+        self.routes.append(Route(prefix, pool, policy, max_response_size))
 
     def route_of(self, path: bytes) -> Route | None:
         for route in self.routes:
@@ -451,7 +527,7 @@ class Relay:
 
     async def listen(self, host: str, port: int) -> int:
         """Accept connections on host:port (0 picks one); returns the port."""
-        self._server = await self.loop.create_server(lambda: DownstreamConnection(self), host, port)
+        self._server = await self.loop.create_server(lambda: DownstreamConnection(self), host, port, ssl=self._tls)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -100,10 +101,12 @@ class UpstreamConnection(Peer):
 
 
 class UpstreamPool:
-    """`size` connections to one address (`host:port` or `unix:/path`), kept open."""
+    """`size` connections to one address (`host:port` or `unix:/path`), kept open; over
+    TLS when given a `tls` context (its ALPN must offer h2)."""
 
-    def __init__(self, flusher: Flusher, address: str, *, size: int = 2) -> None:
+    def __init__(self, flusher: Flusher, address: str, *, size: int = 2, tls: ssl.SSLContext | None = None) -> None:
         self.address = address
+        self._tls = tls
         self._flusher = flusher
         self._size = size
         self._connections: list[UpstreamConnection] = []
@@ -117,7 +120,7 @@ class UpstreamPool:
         for _ in range(self._size):
             try:
                 self._connections.append(await self._connect())
-            except OSError as e:
+            except OSError as e:  # ssl.SSLError included
                 log.warning("upstream %s: not reachable yet (%s)", self.address, e)
                 self._wake.set()
                 break
@@ -150,7 +153,11 @@ class UpstreamPool:
             await loop.create_unix_connection(lambda: conn, self.address[len("unix:") :])
         else:
             host, _, port = self.address.rpartition(":")
-            await loop.create_connection(lambda: conn, host, int(port))
+            host = host.strip("[]")
+            if self._tls is None:
+                await loop.create_connection(lambda: conn, host, int(port))
+            else:
+                await loop.create_connection(lambda: conn, host, int(port), ssl=self._tls, server_hostname=host)
         await conn.ready
         return conn
 
@@ -170,7 +177,7 @@ class UpstreamPool:
                 try:
                     self._connections[index] = await self._connect()
                     failures = 0
-                except OSError as e:
+                except OSError as e:  # ssl.SSLError included
                     delay = _RECONNECT_DELAYS_S[min(failures, len(_RECONNECT_DELAYS_S) - 1)]
                     failures += 1
                     log.warning("upstream %s: reconnect failed (%s); retrying in %.2fs", self.address, e, delay)

@@ -29,7 +29,7 @@ from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
-from qosgate.tls import client_certificate
+from qosgate.tls import certificate_from_metadata
 
 Parse = Callable[[bytes], Any]
 
@@ -107,8 +107,11 @@ class Edge:
         )
 
     def _identify(self, context: grpc.aio.ServicerContext) -> Tenant:
+        metadata = context.invocation_metadata() or ()
         try:
-            return self._directory.identify(context.invocation_metadata() or (), client_certificate(context))
+            # This server is reached only through the relay, which terminated any TLS and
+            # passed the caller's verified certificate on in headers (qosgate.tls).
+            return self._directory.identify(metadata, certificate_from_metadata(metadata))
         except errors.GatewayError as e:
             self._metrics.rejected(status.row_of(e).reason, "", "")
             raise

@@ -3,10 +3,12 @@
 Every RPC of the service is handled here, registered with bytes in and bytes out so the
 gateway forwards what the caller sent without decoding tensors:
 
-- inference (ModelInfer; ModelStreamInfer per request inside the stream): identify (by
-  `edge`, as for every RPC) → authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended to the
-  request bytes) → forward; each request of a stream is a call of the data plane
-  (dataplane/plane.py), which also counts and traces it;
+- ModelStreamInfer, per request inside the stream: identify (by `edge`, as for every
+  RPC) → authorize → admit → schedule → dispatch (Triton `priority` and `timeout` appended
+  to the request bytes) → forward; each request of a stream is a call of the data plane
+  (dataplane/plane.py), which also counts and traces it. ModelInfer never reaches this
+  server: the relay in front of it serves that RPC itself (relay/infer_policy.py, with
+  the helpers here);
 - model-scoped metadata (ModelReady/Metadata/Config/Statistics) and RepositoryIndex:
   forwarded after authentication, showing a tenant only its allowed models; asking about
   another model is PERMISSION_DENIED, whether or not it exists, so nothing leaks;
@@ -21,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +45,6 @@ from qosgate.services import edge, infer_wire, status
 from qosgate.services.headers import text_headers
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import METHODS, SERVICE
-
-log = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-priority"
 # Each request inside a stream is a data-plane call of this name (the `rpc` label).
@@ -73,21 +71,12 @@ OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})
 REPOSITORY_CHANGES = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 # Requests that name one model (`name`).
 MODEL_SCOPED = frozenset({"ModelReady", "ModelMetadata", "ModelConfig"})
+# Served by the relay in front of this server (relay/infer_policy.py).
+RELAYED = frozenset({"ModelInfer"})
 _REQUEST_TYPES = {
     m.name: message_factory.GetMessageClass(m.input_type)
     for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
 }
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What one inference request's metrics are labelled with, filled as it progresses."""
-
-    rpc: str
-    model: str = ""
-    tenant: str = ""
-    klass: str = ""
-    code: str = "OK"
 
 
 class KServeService:
@@ -125,7 +114,6 @@ class KServeService:
     def methods(self) -> dict[str, edge.Method]:
         """Every method of the service, bytes in and bytes out, for `edge.Edge.handler`."""
         methods = {
-            "ModelInfer": edge.Method(self._model_infer),
             "ModelStreamInfer": edge.Method(
                 self._model_stream_infer, client_streaming=True, server_streaming=True
             ),
@@ -144,7 +132,7 @@ class KServeService:
             methods[method] = self._metadata_rpc(method, self._admin(method))
         for method in OPEN:
             methods[method] = self._metadata_rpc(method, _anyone)
-        missing = set(METHODS) - set(methods)
+        missing = set(METHODS) - set(methods) - RELAYED
         if missing:  # a newer tritonclient added an RPC: refuse to start rather than 501 it
             raise RuntimeError(f"no handler for {SERVICE} methods {sorted(missing)}")
         return methods
@@ -197,128 +185,37 @@ class KServeService:
 
     # -- inference ---------------------------------------------------------------------
 
-    def _authorize(self, tenant: Tenant, metadata: dict[str, str], model: str) -> str:
-        """The request's class, once the tenant may use `model` and that class."""
-        self._directory.require_model(tenant, model)
-        return self._directory.resolve_class(tenant, metadata.get(PRIORITY_HEADER))
-
-    def _cost(self, head: infer_wire.InferRequestHead, request: bytes) -> float:
-        unit = self._config.model_policy(head.model_name).cost_unit
-        return unit_cost(unit, texts=head.rows, size=len(request))
-
-    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
-        remaining = context.time_remaining()
-        return None if remaining is None else self._clock.now() + remaining
-
-    def _dispatch_fragment(self, level: int, deadline: float | None) -> tuple[bytes, float | None]:
-        """The bytes to append (priority, timeout) and the seconds left for the upstream call."""
-        fragment = infer_wire.priority_fragment(level)
-        if deadline is None:
-            return fragment, None
-        remaining = deadline - self._clock.now()
-        if remaining <= 0:
-            raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
-        return fragment + infer_wire.timeout_fragment(int(remaining * 1_000_000)), remaining
-
-    def _record(self, outcome: _Outcome, error: BaseException | None) -> None:
-        if error is not None:
-            row = status.row_of(error)
-            outcome.code = row.code.name
-            if isinstance(error, errors.GatewayError):
-                self._metrics.rejected(row.reason, outcome.tenant, outcome.klass)
-        self._metrics.request_done(outcome.rpc, outcome.model, outcome.tenant, outcome.klass, outcome.code)
-
-    async def _model_infer(self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        outcome = _Outcome("ModelInfer", tenant=tenant.name)
-        size = len(request)
-        try:
-            response = await self._infer_once(tenant, request, context, outcome)
-            size += len(response)
-            return response
-        except grpc.aio.AbortError:
-            self._record(outcome, None)
-            raise
-        except asyncio.CancelledError:
-            outcome.code = grpc.StatusCode.CANCELLED.name
-            self._record(outcome, None)
-            raise
-        except Exception as e:  # refused or a bug: recorded here, answered by the edge
-            self._record(outcome, e)
-            raise
-        finally:
-            self._heap.message(size)
-
-    async def _infer_once(
-        self, tenant: Tenant, request: bytes, context: grpc.aio.ServicerContext, outcome: _Outcome
-    ) -> bytes:
-        metadata = text_headers(context)
-        head = self._peek(request)
-        model = head.model_name
-        klass = self._authorize(tenant, metadata, model)
-        outcome.model, outcome.klass = model, klass
-        verdict = await self._admission.admit(tenant)
-        if isinstance(verdict, Refused):
-            raise verdict.error()
-        deadline = self._deadline(context)
-        try:
-            async with self._scheduler.slot(
-                tenant=tenant, klass=klass, model=model, deadline=deadline, cost=self._cost(head, request)
-            ) as dispatch:
-                self._metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
-                fragment, timeout = self._dispatch_fragment(dispatch.priority_level, deadline)
-                response = await self._forward_infer(model, request + fragment, timeout, metadata, context, outcome)
-                dispatch.responded()
-                self._metrics.model_served(model)
-        finally:
-            await verdict.permit.release()
-        self._record(outcome, None)
-        return response
-
-    def _peek(self, raw: bytes) -> infer_wire.InferRequestHead:
-        try:
-            head = infer_wire.peek_request(raw, self._limits.max_request_fields)
-        except infer_wire.WireError as e:
-            raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
-        if not head.model_name:
-            raise errors.InvalidArgument("ModelInferRequest has no model_name")
-        return head
-
-    async def _forward_infer(
-        self,
-        model: str,
-        request: bytes,
-        timeout: float | None,
-        metadata: dict[str, str],
-        context: grpc.aio.ServicerContext,
-        outcome: _Outcome,
-    ) -> bytes:
-        """ModelInfer at the upstream the model's routing picks (by the session header under
-        prefix_affinity: the gateway does not read tensors); once more on another upstream
-        if the first fails UNAVAILABLE (pool.failover)."""
-        header = self._pool.session_header(model)
-        key = self._pool.key(model, session=metadata.get(header)) if header else None
-        upstream = self._pool.pick(model, key=key)
-        retried = False
-        while True:
-            with upstream.lease():
-                started = time.perf_counter()
-                try:
-                    return await upstream.unary("ModelInfer")(request, timeout=timeout)
-                except grpc.aio.AioRpcError as e:
-                    error = e
-                finally:
-                    self._metrics.upstream_latency(upstream.name, model, time.perf_counter() - started)
-            other = None if retried else self._pool.failover(model, upstream, error.code(), key=key)
-            if other is None:
-                outcome.code = error.code().name
-                await self._pass_through(upstream, error, context)
-                raise error  # unreachable: abort raises
-            upstream, retried = other, True
-
     async def _model_stream_infer(
         self, tenant: Tenant, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         await _StreamSession(self, tenant, requests, context).run()
+
+
+def peek_infer_request(raw: bytes, max_fields: int) -> infer_wire.InferRequestHead:
+    """The routing fields of a ModelInferRequest; INVALID_ARGUMENT if it does not parse."""
+    try:
+        head = infer_wire.peek_request(raw, max_fields)
+    except infer_wire.WireError as e:
+        raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
+    if not head.model_name:
+        raise errors.InvalidArgument("ModelInferRequest has no model_name")
+    return head
+
+
+def request_cost(config: GatewayConfig, head: infer_wire.InferRequestHead, size: int) -> float:
+    """What a KServe request of `size` bytes costs in fair share (its model's cost unit)."""
+    return unit_cost(config.model_policy(head.model_name).cost_unit, texts=head.rows, size=size)
+
+
+def dispatch_fragment(level: int, remaining_s: float | None) -> bytes:
+    """The bytes appended to a request at dispatch: Triton's priority `level`, and its
+    timeout from the seconds left to the deadline (DEADLINE_EXCEEDED if none are)."""
+    fragment = infer_wire.priority_fragment(level)
+    if remaining_s is None:
+        return fragment
+    if remaining_s <= 0:
+        raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
+    return fragment + infer_wire.timeout_fragment(int(remaining_s * 1_000_000))
 
 
 _Check = Callable[[Tenant, Any], None]
@@ -532,7 +429,7 @@ class _StreamSession:
         svc = self._svc
         malformed: errors.InvalidArgument | None = None
         try:
-            head = svc._peek(raw)
+            head = peek_infer_request(raw, svc._limits.max_request_fields)
         except errors.InvalidArgument as e:  # a call of no model, refused like any other
             head, malformed = infer_wire.InferRequestHead(), e
         try:
@@ -557,7 +454,7 @@ class _StreamSession:
         """Admit the request, send it up the stream and wait for its final response; the
         reader (`_read`) reports its responses to the scope."""
         svc = self._svc
-        cost = CallCost(fair_share=svc._cost(head, raw))
+        cost = CallCost(fair_share=request_cost(svc._config, head, len(raw)))
         deadline = svc._plane.deadline(self._context.time_remaining())
         dispatch = await scope.admit(cost, priority_class=self._metadata.get(PRIORITY_HEADER), deadline=deadline)
         fragment = infer_wire.priority_fragment(dispatch.priority_level)
