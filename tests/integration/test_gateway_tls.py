@@ -183,6 +183,19 @@ def test_mtls_unmapped_certificate_needs_a_key(mtls_gateway: GatewayThread, pki:
     assert "the client certificate identifies no tenant" in error.message()
 
 
+def test_a_caller_cannot_pass_itself_off_as_another_certificate(mtls_gateway: GatewayThread, pki: Pki) -> None:
+    """The relay hands the verified certificate to the gateway's grpcio server in headers;
+    the same headers sent by a caller identify nobody, on the relayed ModelInfer or on a
+    call the relay hands on."""
+    require_model("identity")
+    forged = {"qosgate-peer-cert-sha256": pki.globex.fingerprint, "qosgate-peer-cert-san": ACME_SAN}
+    with tritonclient(mtls_gateway.url, pki.ca.cert, pki.stranger) as client:
+        assert refused(client, forged).status() == "StatusCode.UNAUTHENTICATED"
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_model_metadata("identity", headers=forged)
+        assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+
+
 def test_mtls_refuses_clients_without_a_certificate_from_its_ca(mtls_gateway: GatewayThread, pki: Pki) -> None:
     require_model("identity")
     # No client certificate at all, even with a valid key: the handshake fails.
