@@ -259,9 +259,10 @@ class OpenAITarget:
 Send = Callable[[], Awaitable[Outcome]]
 
 
-async def closed_loop(send: Send, concurrency: int, until: float, now: Callable[[], float]
-                      ) -> list[Outcome]:
-    """`concurrency` workers, each sending its next request when the previous one ends."""
+async def closed_loop(send: Send, concurrency: int, until: float, now: Callable[[], float],
+                      retry_pause: float = 0.01) -> list[Outcome]:
+    """`concurrency` workers, each sending its next request when the previous one ends,
+    or `retry_pause` seconds after it was refused."""
     outcomes: list[Outcome] = []
 
     async def worker() -> None:
@@ -269,9 +270,9 @@ async def closed_loop(send: Send, concurrency: int, until: float, now: Callable[
             outcome = await send()
             outcomes.append(outcome)
             if not outcome.ok:
-                # A refused caller retries after a breath, as a client honouring back-off would
-                # at minimum; a tight loop would only measure how fast refusals return.
-                await asyncio.sleep(0.01)
+                # By default a refused caller retries after a breath, as a client honouring
+                # back-off would at minimum; 0 is a hostile caller's tight loop.
+                await asyncio.sleep(retry_pause)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return outcomes

@@ -1,5 +1,7 @@
 """overhead: what one hop costs. perf_analyzer on the identity model at several
-concurrencies, straight at Triton, through nginx grpc_pass, and through qosgate.
+concurrencies, straight at Triton, through nginx grpc_pass, and through qosgate (its
+relay serves ModelInfer); then `--streaming` (ModelStreamInfer, one stream per perf_analyzer
+context) at the top concurrency on each path.
 
 The hops' CPU per request comes from /proc (utime+stime of the hop's process group over
 the measurement) divided by the requests Triton counted in the same interval.
@@ -40,6 +42,7 @@ class Sample:
     target: str
     point: perf.PerfPoint
     cpu_us_per_request: float | None
+    streaming: bool = False
 
 
 def successes(triton_url: str) -> int:
@@ -52,19 +55,20 @@ def successes(triton_url: str) -> int:
 
 
 def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
-                   concurrency: int, settings: perf.PerfSettings) -> Sample:
+                   concurrency: int, settings: perf.PerfSettings, *, streaming: bool = False) -> Sample:
     headers = (f"authorization:Bearer {API_KEY}",) if target == "qosgate" else ()
     before_count = successes(stack.triton_url)
     before_cpu = hop.cpu_seconds() if hop else 0.0
     point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
-                         shape=SHAPE, headers=headers)
+                         shape=SHAPE, headers=headers, extra=("--streaming",) if streaming else ())
     cpu_us = None
     if hop is not None:
         requests = successes(stack.triton_url) - before_count
         cpu_us = (hop.cpu_seconds() - before_cpu) * 1e6 / max(requests, 1)
-    log.info("%s c=%d: %.0f infer/s p50 %.0f us p99 %.0f us cpu/req %s us", target, concurrency,
-             point.throughput, point.p50_us, point.p99_us, f"{cpu_us:.0f}" if cpu_us else "-")
-    return Sample(target, point, cpu_us)
+    log.info("%s c=%d%s: %.0f infer/s p50 %.0f us p99 %.0f us cpu/req %s us", target, concurrency,
+             " streaming" if streaming else "", point.throughput, point.p50_us, point.p99_us,
+             f"{cpu_us:.0f}" if cpu_us else "-")
+    return Sample(target, point, cpu_us, streaming)
 
 
 def profile_gateway(stack: Stack, url: str, concurrency: int, rate: float, seconds: float
@@ -102,8 +106,11 @@ def run(ctx: RunContext) -> ScenarioResult:
             # Targets interleave at each level so machine drift hits them alike.
             for name, url, hop in targets:
                 samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
+        for name, url, hop in targets:
+            samples.append((levels[-1], measure_target(stack, name, url, hop, levels[-1], settings,
+                                                       streaming=True)))
         if stack.gateway is not None and profile.py_spy() is not None:
-            top = samples[-1][1]
+            top = next(s for c, s in reversed(samples) if s.target == "qosgate" and not s.streaming)
             found = profile_gateway(stack, stack.gateway_url, levels[-1], top.point.throughput,
                                     ctx.pick(5.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {levels[-1]} "
@@ -116,9 +123,11 @@ def run(ctx: RunContext) -> ScenarioResult:
 
 def summarise(samples: list[tuple[int, Sample]], levels: list[int]
               ) -> tuple[list[Figure], dict[str, list[dict[str, object]]]]:
-    by = {(c, s.target): s for c, s in samples}
+    by = {(c, s.target): s for c, s in samples if not s.streaming}
+    streams = {s.target: s for _, s in samples if s.streaming}
     rows = [
-        {"concurrency": c, "target": s.target, "infer/s": round(s.point.throughput, 1),
+        {"concurrency": c, "target": s.target, "mode": "streaming" if s.streaming else "unary",
+         "infer/s": round(s.point.throughput, 1),
          "p50 ms": s.point.p50_us / 1e3, "p99 ms": s.point.p99_us / 1e3,
          "hop CPU us/req": "" if s.cpu_us_per_request is None else round(s.cpu_us_per_request, 1)}
         for c, s in samples
@@ -143,8 +152,18 @@ def summarise(samples: list[tuple[int, Sample]], levels: list[int]
         reference=f"nginx {by[(top, 'nginx')].cpu_us_per_request or 0:.0f} us"))
     added = (by[(low, "qosgate")].point.p50_us - by[(low, "direct")].point.p50_us) / 1e3
     figures.append(Figure(
-        f"qosgate p50 added latency, concurrency {low}", added, "ms", Aim("<=", 0.5),
+        f"qosgate p50 added latency, concurrency {low}", added, "ms", Aim("<=", 0.3),
         reference=f"nginx adds {nginx_added:.3f} ms"))
+    if {"qosgate", "nginx", "direct"} <= streams.keys():
+        q, n, d = streams["qosgate"], streams["nginx"], streams["direct"]
+        figures.append(Figure(
+            f"qosgate streaming throughput / nginx, concurrency {top}",
+            100 * q.point.throughput / n.point.throughput, "%", Aim(">=", 80.0),
+            reference=f"qosgate {q.point.throughput:,.0f}, nginx {n.point.throughput:,.0f}, "
+                      f"direct {d.point.throughput:,.0f} infer/s"))
+        figures.append(Figure(
+            f"qosgate streaming CPU per request, concurrency {top}", q.cpu_us_per_request or 0.0, "us",
+            Aim("<=", 100.0), reference=f"nginx {n.cpu_us_per_request or 0:.0f} us"))
     return figures, {"perf_analyzer": rows}
 
 
@@ -154,7 +173,7 @@ def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
     metric: dict[str, Callable[[Sample], float | None]] = {
         "p50": lambda s: s.point.p50_us / 1e3, "p99": lambda s: s.point.p99_us / 1e3}
     for target in targets:
-        mine = [(c, s) for c, s in samples if s.target == target]
+        mine = [(c, s) for c, s in samples if s.target == target and not s.streaming]
         xs = [c for c, _ in mine]
         color = plots.COLORS[target]
         thr.plot(xs, [s.point.throughput for _, s in mine], marker="o", color=color, label=target)
@@ -163,6 +182,11 @@ def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
                      color=color, label=f"{target} {name}")
         if target != "direct":
             cpu.plot(xs, [s.cpu_us_per_request for _, s in mine], marker="o", color=color, label=target)
+        for c, s in samples:
+            if s.target == target and s.streaming:
+                thr.plot([c], [s.point.throughput], "s", color=color, label=f"{target} streaming")
+                if s.cpu_us_per_request is not None:
+                    cpu.plot([c], [s.cpu_us_per_request], "s", color=color, label=f"{target} streaming")
     cpu.axhline(100, color="grey", linestyle=":", label="aim (qosgate)")
     plots.label([(thr, "throughput", "infer/s"), (lat, "latency", "ms"), (cpu, "hop CPU per request", "us")],
                 prefix="identity", xlabel="concurrency", log2_x=True)

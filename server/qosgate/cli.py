@@ -15,12 +15,10 @@ def _prepare_models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from qosgate import app
     from qosgate.config import load_config
 
-    asyncio.run(app.serve(load_config(args.config), path=args.config))
+    app.run(app.serve(load_config(args.config), path=args.config))
     return 0
 
 
