@@ -28,10 +28,18 @@ KSERVE = b"/inference.GRPCInferenceService/"
 class RelayThread:
     """A started relay in front of `triton_url`; `url` is where clients connect."""
 
-    def __init__(self, triton_url: str, policy: CallPolicy, *, max_message_size: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        triton_url: str,
+        policy: CallPolicy,
+        *,
+        max_message_size: int = 64 << 20,
+        max_response_size: int = 1 << 32,
+    ) -> None:
         self._triton_url = triton_url
         self._policy = policy
         self._max_message_size = max_message_size
+        self._max_response_size = max_response_size
         self._dir = tempfile.TemporaryDirectory(prefix="qosgate-relay-")
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="relay", daemon=True)
@@ -55,7 +63,7 @@ class RelayThread:
         local = relay.upstream(f"unix:{socket}", connections=1)
         await triton.start()
         await local.start()
-        relay.route(KSERVE, triton, self._policy)
+        relay.route(KSERVE, triton, self._policy, max_response_size=self._max_response_size)
         relay.route(b"/", local)
         self.port = await relay.listen("127.0.0.1", 0)
 

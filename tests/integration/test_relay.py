@@ -259,6 +259,15 @@ def test_message_size_bound(triton, policy) -> None:
         assert _upstream_streams(small)[0] - streams[0] == 2  # only the small call went up
 
 
+def test_response_size_bound(triton, policy) -> None:
+    with RelayThread(triton.ports.grpc_url, policy, max_response_size=1 << 16) as small:
+        client = grpcclient.InferenceServerClient(small.url)
+        with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED") as refused:
+            client.infer(MODEL, _inputs(_values(1 << 15)))  # 128 KiB back from Triton
+        assert "over the limit of 65536" in refused.value.message()
+        np.testing.assert_array_equal(client.infer(MODEL, _inputs(_values())).as_numpy("OUTPUT0"), _values())
+
+
 def test_cancel_reaches_triton(relay, triton) -> None:
     client = grpcclient.InferenceServerClient(relay.url)
     client.update_log_settings({"log_verbose_level": 1})
