@@ -271,11 +271,13 @@ class Call:
     # -- upstream ---------------------------------------------------------------------------
 
     def forward(self, pool: UpstreamPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
+        self.sent_headers = headers
         up = pool.pick()
         if up is None:
-            self.fail(Refuse(UNAVAILABLE, "no upstream connection"))
+            # The upstream's connections are down (its health check may not know yet).
+            if not self.fail_over():
+                self.fail(Refuse(UNAVAILABLE, "no upstream connection"))
             return
-        self.sent_headers = headers
         self.up = up
         self.up_id = up.open_stream(headers, self, end_stream=end_stream)
         self.response = Pipe(up, self.up_id)
