@@ -32,8 +32,8 @@ def section_text(results: list[report.ScenarioResult], plotted: list[str]) -> st
         "",
         "The figures below come from the latest run on a shared 2-core CPU machine with no GPU",
         "(other jobs running: read the ratios to the references, measured in the same run, rather",
-        "than the absolute numbers). Aims are issue 6's; the distance says by how much each is",
-        "met or missed.",
+        "than the absolute numbers). Aims are issue 6's (the overhead ones and the refusal loops':",
+        "issue 15's); the distance says by how much each is met or missed.",
         "",
     ]
     figures = [(r, f) for r in results for f in r.figures]
