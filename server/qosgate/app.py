@@ -317,11 +317,7 @@ class Gateway:
             await pool.start()
         policy = InferAdmissionPolicy(
             config=self.config,
-            directory=self.directory,
-            admission=self.admission,
-            scheduler=self.scheduler,
-            metrics=self.metrics,
-            clock=self.clock,
+            plane=self.dataplane,
             pool=self.pool,
             connections=tritons,
             heap=self.heap,
