@@ -88,6 +88,7 @@ def _server_options(limits: ResourceLimits) -> tuple[tuple[str, int], ...]:
 # dispatch slot are open streams, and the scheduler's queue bounds are what bound them: a
 # lower cap made a client queue its critical calls behind its own waiting batch calls
 # (minilm's critical p99 grew to 7 s under the 4x flood at 1,000). grpcio set none.
+# The bytes those waiting calls hold are bounded by `limits.connection_pending_bytes`.
 _CALLS_PER_CONNECTION = 1 << 16
 
 
@@ -306,6 +307,7 @@ class Gateway:
         relay = self._relay = Relay(
             max_message_size=limits.max_request_bytes,
             max_concurrent_streams=_CALLS_PER_CONNECTION,
+            max_connection_pending=limits.connection_pending_bytes,
             tls=server_context(tls) if tls is not None else None,
         )
         tritons = {

@@ -499,6 +499,12 @@ class ResourceLimits(_Frozen):
     max_request_bytes: int = Field(default=64 * _MiB, ge=1024, le=_GRPC_MAX_MESSAGE)
     """Largest request message the gateway accepts, on every RPC. gRPC refuses a larger
     one RESOURCE_EXHAUSTED as it arrives, before buffering it whole."""
+    connection_pending_bytes: int = Field(default=256 * _MiB, ge=1024)
+    """Request bytes one client connection may have the gateway hold while the policy
+    decides on its calls (first messages of calls being admitted or waiting for a
+    dispatch slot: read whole before the decision, so the caller's flow-control window does
+    not bound them). A call whose bytes would go over it is refused RESOURCE_EXHAUSTED;
+    the connection's other calls, and every other connection, go on."""
     max_response_bytes: int = Field(default=64 * _MiB, ge=1024, le=_GRPC_MAX_MESSAGE)
     """Largest response message the gateway takes from Triton and passes on; a larger one
     fails the call RESOURCE_EXHAUSTED."""

@@ -35,11 +35,13 @@ class RelayThread:
         *,
         max_message_size: int = 64 << 20,
         max_response_size: int = 1 << 32,
+        max_connection_pending: int = 256 << 20,
     ) -> None:
         self._triton_url = triton_url
         self._policy = policy
         self._max_message_size = max_message_size
         self._max_response_size = max_response_size
+        self._max_connection_pending = max_connection_pending
         self._dir = tempfile.TemporaryDirectory(prefix="qosgate-relay-")
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="relay", daemon=True)
@@ -58,7 +60,9 @@ class RelayThread:
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self._local)
         self._local.add_insecure_port(f"unix:{socket}")
         await self._local.start()
-        relay = self.relay = Relay(max_message_size=self._max_message_size)
+        relay = self.relay = Relay(
+            max_message_size=self._max_message_size, max_connection_pending=self._max_connection_pending
+        )
         triton = relay.upstream(self._triton_url)
         local = relay.upstream(f"unix:{socket}", connections=1)
         await triton.start()

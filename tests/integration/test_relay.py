@@ -268,6 +268,68 @@ def test_response_size_bound(triton, policy) -> None:
         np.testing.assert_array_equal(client.infer(MODEL, _inputs(_values())).as_numpy("OUTPUT0"), _values())
 
 
+def _own_channel(url: str) -> grpc.Channel:
+    """A channel on a TCP connection of its own (grpcio shares subchannels otherwise)."""
+    return grpc.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_first_messages_waiting_for_the_policy_are_bounded_per_connection(triton, policy) -> None:
+    """One connection opens many calls whose policy never decides, each with a first
+    message near the size limit. Those bytes are read and acknowledged before the decision,
+    so the caller's window does not bound them: the relay holds at most
+    `max_connection_pending` of them and refuses the calls that would go over it
+    RESOURCE_EXHAUSTED. A small call on that connection and calls on another go on, and the
+    count goes back to zero as the held calls end."""
+    bound = 4 << 20
+    floats = 230_000  # 920 KB of tensor: four fit under the bound, the fifth does not
+    big = service_pb2.ModelInferRequest(model_name=MODEL)
+    big.inputs.add(name="INPUT0", datatype="FP32", shape=[1, floats])
+    big.raw_input_contents.append(np.ones(floats, dtype=np.float32).tobytes())
+    small = service_pb2.ModelInferRequest(model_name=MODEL)
+    small.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 8])
+    small.raw_input_contents.append(_values().tobytes())
+    with RelayThread(triton.ports.grpc_url, policy, max_message_size=1 << 20, max_connection_pending=bound) as relay:
+        assert relay.relay is not None
+        clients = relay.relay.clients
+
+        def pending() -> list[int]:
+            return [c.pending_bytes for c in list(clients)]
+
+        with _own_channel(relay.url) as hostile, _own_channel(relay.url) as other:
+            call = hostile.unary_unary(INFER)
+            held = [
+                call.future(big.SerializeToString(), timeout=120, metadata=(("x-api-key", "slow"),))
+                for _ in range(12)
+            ]
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in held) < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # no call that is still held ends on its own
+            refused = [f for f in held if f.done()]
+            waiting = [f for f in held if not f.done()]
+            assert 8 <= len(refused) <= 11 and 1 <= len(waiting) <= 4
+            for f in refused:
+                error = f.exception()
+                assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "waiting on this connection" in error.details()
+            counted = pending()
+            assert max(counted) <= bound and sum(counted) >= len(waiting) * floats * 4
+            # The hostile connection's small calls still fit, and others are not touched.
+            for channel in (hostile, other):
+                reply = service_pb2.ModelInferResponse.FromString(
+                    channel.unary_unary(INFER)(small.SerializeToString(), timeout=30)
+                )
+                np.testing.assert_array_equal(np.frombuffer(reply.raw_output_contents[0], np.float32), _values()[0])
+            policy.held_cancelled.clear()
+            for f in waiting:
+                f.cancel()
+            assert policy.held_cancelled.wait(10)
+            deadline = time.monotonic() + 10
+            while any(pending()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(pending()), pending()  # the cancelled calls gave their bytes back
+
+
 def test_cancel_reaches_triton(relay, triton) -> None:
     client = grpcclient.InferenceServerClient(relay.url)
     client.update_log_settings({"log_verbose_level": 1})

@@ -82,6 +82,7 @@ class Call:
         "down", "down_id", "up", "up_id", "headers", "route", "request", "response",
         "first", "pending", "client_done", "responded", "finished", "on_finish",
         "requests", "responses", "deadline", "timer", "decision_task", "sent_headers", "replay",
+        "charged",
     )  # fmt: skip
 
     def __init__(self, down: DownstreamConnection, stream_id: int, headers: Sequence[http2.Header]) -> None:
@@ -108,6 +109,9 @@ class Call:
         # The whole request as sent upstream, kept until the first response so that a
         # call the upstream failed before answering can go to another one (Forward.failover).
         self.replay: bytes | None = None
+        # Bytes of this call's first message counted against its connection's
+        # `pending_bytes` (read and acknowledged before the policy decided).
+        self.charged = 0
 
     # -- from the caller ------------------------------------------------------------------
 
@@ -152,8 +156,11 @@ class Call:
         first = self.first
         if first is not None:
             # The policy must see the whole first message: its bytes are read here and
-            # acknowledged at once (bounded by the size limit, not by the window).
+            # acknowledged at once (bounded by the size limit, not by the window), and
+            # counted against the connection's bound until the policy has decided.
             request.release(len(data))
+            if not self.charge(len(data)):
+                return
             if first.add(data):
                 self.first = None
                 if first.rest:
@@ -166,6 +173,28 @@ class Call:
             self.hold(data)
             return
         request.push(data, end_stream=end_stream)
+
+    def charge(self, size: int) -> bool:
+        """Count `size` more bytes held for the policy against the connection's bound;
+        over it, the call is refused (False) and its count given back."""
+        down = self.down
+        self.charged += size
+        down.pending_bytes += size
+        if down.pending_bytes > down.relay.max_connection_pending:
+            self.fail(
+                Refuse(
+                    RESOURCE_EXHAUSTED,
+                    "too many request bytes waiting on this connection; retry when its other calls have been admitted",
+                )
+            )
+            return False
+        return True
+
+    def uncharge(self) -> None:
+        """The policy decided, or the call ended: its first message no longer counts."""
+        if self.charged:
+            self.down.pending_bytes -= self.charged
+            self.charged = 0
 
     def hold(self, data: bytes) -> None:
         """Keep request bytes (unacknowledged: the caller's window bounds them) until forwarding."""
@@ -180,6 +209,7 @@ class Call:
 
     def client_closed(self) -> None:
         """The caller's stream is gone; a call still going upstream is cancelled there."""
+        self.uncharge()
         if not self.finished:
             if self.up is not None:
                 self.up.h2.reset(self.up_id, _CANCEL)
@@ -207,6 +237,8 @@ class Call:
                 return
             except framing.UnsupportedEncoding as e:
                 self.fail(Refuse(INVALID_ARGUMENT, str(e)))
+                return
+            if not self.charge(len(message)):  # held beside the compressed bytes until the decision
                 return
         self.decide(message, first)
 
@@ -247,6 +279,8 @@ class Call:
     def apply(
         self, decision: Decision, message: bytes, first: framing.FirstMessage | None, *, waited: bool
     ) -> None:
+        # Forwarded, the message is the upstream's to take (its window bounds it); refused, it is dropped.
+        self.uncharge()
         if isinstance(decision, Refuse):
             self.refuse(decision)
             return
@@ -409,6 +443,7 @@ class Call:
             return
         self.finished = True
         self.replay = None
+        self.uncharge()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -433,6 +468,8 @@ class DownstreamConnection(Peer):
         super().__init__(relay.flusher, server=True, max_concurrent_streams=relay.max_concurrent_streams)
         self.relay = relay
         self.calls: dict[int, Call] = {}
+        # Request bytes read for policies still deciding, over all of this connection's calls.
+        self.pending_bytes = 0
         self.certificate: ClientCertificate | None = None
         self._certificate_headers: list[http2.Header] = []
 
@@ -490,13 +527,19 @@ class Relay:
         *,
         max_message_size: int = 64 << 20,
         max_concurrent_streams: int = 1000,
+        max_connection_pending: int = 256 << 20,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        """`tls`: terminate TLS on the listener (its ALPN must offer h2)."""
+        """`max_connection_pending`: request bytes one client connection may have read and
+        waiting for policies to decide (first messages, acknowledged as they arrive so that
+        the caller's window does not bound them); a call whose bytes would go over it is
+        refused RESOURCE_EXHAUSTED. `tls`: terminate TLS on the listener (its ALPN must
+        offer h2)."""
         self._tls = tls
         self.routes: list[Route] = []
         self.max_message_size = max_message_size
         self.max_concurrent_streams = max_concurrent_streams
+        self.max_connection_pending = max_connection_pending
         self.flusher = Flusher()
         self.loop = asyncio.get_running_loop()
         self._pools: list[UpstreamPool] = []
