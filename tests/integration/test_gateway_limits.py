@@ -38,6 +38,7 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 LIMITS = {
     "max_request_bytes": MiB,
+    "connection_pending_bytes": 4 * MiB,
     "max_streams_per_tenant": 2,
     "stream_buffer_bytes": MiB,
     "stream_max_pending": 8,
@@ -89,6 +90,13 @@ def test_a_request_over_max_request_bytes_is_refused_and_the_next_is_served(gate
         small = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
         small.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
         assert client.infer(MODEL, [small], headers=bearer(ACME_KEY)).as_numpy("OUTPUT0").shape == (1, 4)
+
+
+def test_connection_pending_bytes_reaches_the_relay(gateway) -> None:
+    """The relay's bound on first messages waiting for admission is the configured one
+    (test_relay.py checks the bound itself on a connection whose calls wait)."""
+    relay = gateway.gateway._relay
+    assert relay is not None and relay.max_connection_pending == 4 * MiB
 
 
 class OpenStream:
