@@ -3,12 +3,13 @@ server per test session.
 
 Integration tests start real processes. The Triton fixture loads the models named in
 QOSGATE_TEST_MODELS (comma-separated; default: every model in model_repository/ that the
-local CPU stack serves), once per session, on ports the OS picked.
+local CPU stack serves), once per session, on free ports (see `free_port`).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 import urllib.request
@@ -22,10 +23,35 @@ from tests.postgres_server import PostgresServer
 DEFAULT_TEST_MODELS = "smollm2,smollm2_trtllm,minilm,identity"
 
 
+# Ports for the servers tests start come from below the kernel's ephemeral range: a port
+# that bind(0) picked is free again once checked, and another process's bind(0) (vLLM's
+# engine starting inside the first of two Tritons, a client's socket) could take it
+# before the server it was picked for binds it ("Socket ... already in use").
+LOWEST_PORT = 20000
+_handed_out: set[int] = set()
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, outside the ephemeral range, and not handed out
+    before in this session."""
+    candidates = [p for p in range(LOWEST_PORT, _first_ephemeral_port()) if p not in _handed_out]
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port between {LOWEST_PORT} and the ephemeral range")
 
 
 def test_models() -> list[str]:
