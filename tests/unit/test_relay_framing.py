@@ -8,7 +8,15 @@ import zlib
 import pytest
 
 from qosgate.relay import framing
-from qosgate.relay.policy import RESOURCE_EXHAUSTED, CallHead, Refuse, percent_encode, status_headers
+from qosgate.relay.policy import (
+    MAX_MESSAGE_BYTES,
+    RESOURCE_EXHAUSTED,
+    CallHead,
+    Refuse,
+    bounded_messages,
+    percent_encode,
+    status_headers,
+)
 from qosgate.relay.server import format_timeout, parse_timeout
 
 
@@ -78,6 +86,26 @@ def test_status_headers_encode_message_and_details() -> None:
     assert fields[b"grpc-message"] == b"100%25 %C3%BCber"
     assert fields[b"grpc-status-details-bin"] == b"CAg"  # base64, padding dropped
     assert percent_encode("plain text") == b"plain text"
+
+
+def test_long_messages_are_cut_short_and_never_inside_an_escape() -> None:
+    # Triton quotes request values (a model name of 10 kB) in its errors; a client refuses
+    # trailers over 8 KiB, so an upstream's grpc-message reaches the caller cut short.
+    quoted = b"unknown model '" + b"m" * 10_000 + b"'"
+    trailers = bounded_messages([(b"grpc-status", b"5"), (b"grpc-message", quoted)])
+    assert trailers[0] == (b"grpc-status", b"5")
+    assert len(trailers[1][1]) == MAX_MESSAGE_BYTES and trailers[1][1].endswith(b"...")
+    # An escape straddling the cut is dropped whole, not split.
+    for offset in range(4):
+        encoded = b"x" * (MAX_MESSAGE_BYTES - 6 + offset) + b"%C3%BC" * 10
+        cut = dict(bounded_messages([(b"grpc-message", encoded)]))[b"grpc-message"]
+        assert len(cut) <= MAX_MESSAGE_BYTES and cut.endswith(b"...")
+        body = cut[: -len(b"...")]
+        assert all(len(body[i + 1 : i + 3]) == 2 for i in range(len(body)) if body[i] == ord("%"))
+    # A refusal of our own is cut the same way, however its text encodes.
+    own = dict(status_headers(Refuse(RESOURCE_EXHAUSTED, "ü" * 1024)))
+    assert len(own[b"grpc-message"]) <= MAX_MESSAGE_BYTES
+    assert bounded_messages([(b"grpc-message", b"short")]) == [(b"grpc-message", b"short")]
 
 
 def test_call_head_reads_the_last_header_and_the_method() -> None:

@@ -99,11 +99,16 @@ class CallPolicy(Protocol):
     def __call__(self, head: CallHead) -> Decision | Awaitable[Decision]: ...
 
 
+# A gRPC client refuses response metadata over 8 KiB (its default limit), and Triton quotes
+# request values in its error messages, so a grpc-message is cut to this many bytes.
+MAX_MESSAGE_BYTES = 1024
+
+
 def status_headers(refusal: Refuse) -> list[Header]:
     """The trailer fields that carry a status, encoded as gRPC requires."""
     fields = [(b"grpc-status", str(refusal.status).encode())]
     if refusal.message:
-        fields.append((b"grpc-message", percent_encode(refusal.message)))
+        fields.append((b"grpc-message", cut_message(percent_encode(refusal.message))))
     if refusal.details:
         fields.append((b"grpc-status-details-bin", base64.b64encode(refusal.details).rstrip(b"=")))
     fields.extend(refusal.extra)
@@ -119,3 +124,17 @@ def percent_encode(message: str) -> bytes:
         else:
             out += b"%%%02X" % byte
     return bytes(out)
+
+
+def cut_message(encoded: bytes) -> bytes:
+    """A percent-encoded grpc-message cut to MAX_MESSAGE_BYTES, never inside an escape."""
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return encoded
+    cut = encoded[: MAX_MESSAGE_BYTES - 3]
+    escape = cut.rfind(b"%", len(cut) - 2)
+    return (cut if escape == -1 else cut[:escape]) + b"..."
+
+
+def bounded_messages(headers: Sequence[Header]) -> list[Header]:
+    """An upstream's headers or trailers as they came, with a long grpc-message cut."""
+    return [(name, cut_message(value) if name == b"grpc-message" else value) for name, value in headers]

@@ -34,6 +34,7 @@ from qosgate.relay.policy import (
     Decision,
     Forward,
     Refuse,
+    bounded_messages,
     status_headers,
 )
 from qosgate.relay.upstream import UpstreamConnection, UpstreamPool
@@ -355,7 +356,7 @@ class Call:
                 return
             self.replay = None
         self.responded = True
-        self.down.h2.send_response(self.down_id, headers, end_stream=end_stream)
+        self.down.h2.send_response(self.down_id, bounded_messages(headers), end_stream=end_stream)
         self.down.touch()
         if end_stream:  # trailers-only: the status is in these headers
             self.end(_status_of(headers), None)
@@ -380,7 +381,7 @@ class Call:
     def upstream_trailers(self, headers: Sequence[http2.Header]) -> None:
         if self.finished:
             return
-        self.down.h2.send_trailers(self.down_id, headers)
+        self.down.h2.send_trailers(self.down_id, bounded_messages(headers))
         self.down.touch()
         self.end(_status_of(headers), None)
 
