@@ -301,6 +301,28 @@ def test_window_reserve_keeps_slots_free_for_higher_classes() -> None:
     assert refill.klass == "batch" and h.core.snapshot().in_flight == {MODEL: 2}
 
 
+def test_work_over_a_shrunk_window_does_not_take_the_slots_reserved_above_it() -> None:
+    h = Harness(config(window=8, window_reserve=0.5), fill_window=False)
+    flood = [h.submit("bulk", "batch") for _ in range(10)]
+    assert sum(w.state is WaiterState.DISPATCHED for w in flood) == 4  # batch's limit of 8
+    assert h.resize(4) == []  # limits 4, 3, 2, 2: batch is 2 over its own
+    # Batch counts only up to its limit for the classes above: their reserved slots are
+    # free at once, not after the batch work admitted under the larger window finished.
+    vip = [h.submit("vip", "critical") for _ in range(3)]
+    assert [w.state for w in vip] == [WaiterState.DISPATCHED] * 2 + [WaiterState.QUEUED]
+    assert h.submit("app", "interactive").state is WaiterState.QUEUED
+    assert h.core.snapshot().in_flight == {MODEL: 6}
+    assert h.core.window_pressure(MODEL)[0]
+    # Batch finishing first frees nothing for anyone while it is still over its limit...
+    assert h.release(flood[0]) == [] and h.release(flood[1]) == []
+    # ...then the queued critical request goes first, and batch waits below its limit.
+    assert h.release(flood[2]) == [vip[2]]
+    assert h.release(flood[3]) == []  # 3 critical in flight: interactive's limit
+    (refill,) = h.release(vip[0])
+    assert refill.klass == "interactive"
+    assert h.release(vip[1]) == []  # 2 in flight: batch's limit
+
+
 def test_a_due_floor_may_use_the_reserved_slots() -> None:
     h = Harness(config(window=4, window_reserve=0.5, floor_share_by_class={"batch": 0.25}))
     for _ in range(100):

@@ -15,8 +15,11 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
   window may move (`resize`: the self-sizing window of a model set to `auto`).
   Lower classes may fill only part of it (nested reservations, `window_reserve`): a class
   dispatches while fewer than its own limit are in flight, so the slots above a lower
-  class's limit stay free for the classes above it. A class whose floor credit is due
-  may use the whole window, or a flood of higher classes could starve it.
+  class's limit stay free for the classes above it. Lower-class work over its limit
+  (the window shrank under it) does not take those slots: a class counts the classes
+  below it only up to their limits, so a critical request never waits for batch work
+  admitted under a larger window to finish. A class whose floor credit is due may use
+  the whole window, or a flood of higher classes could starve it.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
 - A request whose deadline has passed is dropped instead of dispatched.
@@ -119,6 +122,7 @@ class _ClassQueue:
     live: int = 0
     vtime: float = 0.0
     credit: float = 0.0
+    in_flight: int = 0
 
     def push(self, waiter: Waiter) -> None:
         queue = self.tenants.get(waiter.tenant)
@@ -207,6 +211,21 @@ class _ModelQueues:
     in_flight: int = 0
     queued: int = 0
 
+    def has_room(self, level: int) -> bool:
+        """Whether class `level` may dispatch: what is in flight is below its nested limit,
+        counting the classes below it only up to what their own limits let them hold. So
+        after the window shrinks, lower-class work still in flight over those limits drains
+        without taking the slots reserved for the classes above (in flight may then exceed
+        the window by at most those reserved slots)."""
+        classes = self.classes
+        below = 0
+        for klass in reversed(classes[level + 1 :]):
+            below = min(below + klass.in_flight, klass.window)
+        here = 0
+        for klass in classes[: level + 1]:
+            here += klass.in_flight
+        return here + below < classes[level].window
+
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
         by a lower class whose floor credit has come due; None if no class may dispatch.
@@ -214,13 +233,14 @@ class _ModelQueues:
         top: tuple[_ClassQueue, _TenantQueue] | None = None
         due: tuple[_ClassQueue, _TenantQueue] | None = None
         due_credit = 0.0
-        for queue in self.classes:
+        below_window = self.in_flight < self.window
+        for level, queue in enumerate(self.classes):
             if not queue.live:
                 queue.credit = 0.0  # no banking of share while idle
                 continue
             credit = queue.credit + queue.floor
-            is_due = credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due_credit)
-            wants_top = top is None and self.in_flight < queue.window
+            is_due = below_window and credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due_credit)
+            wants_top = top is None and self.has_room(level)
             if not (is_due or wants_top):
                 continue
             tenant = queue.fairest(fits)
@@ -353,12 +373,12 @@ class SchedulingCore:
         # this class's limit (every event that frees room or tokens refills), so room, the
         # tenant's token quota and its FIFO order (nothing of it waiting) suffice.
         if (
-            model.in_flight < klass.window
+            model.has_room(level)
             and self._fits(waiter)
             and not klass.has_queued(waiter.tenant)
         ):
             klass.charge_at_once(waiter)
-            self._dispatch(model, waiter)
+            self._dispatch(model, klass, waiter)
             return _NOTHING
         if waiter.deadline is not None and waiter.deadline <= now:
             raise DeadlineExceeded("deadline exceeded before the request could be queued")
@@ -387,8 +407,9 @@ class SchedulingCore:
         waiter.state = WaiterState.QUEUED
         return shed
 
-    def _dispatch(self, model: _ModelQueues, waiter: Waiter) -> None:
+    def _dispatch(self, model: _ModelQueues, klass: _ClassQueue, waiter: Waiter) -> None:
         model.in_flight += 1
+        klass.in_flight += 1
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
         waiter.state = WaiterState.DISPATCHED
@@ -411,6 +432,7 @@ class SchedulingCore:
         """
         model = self._models[waiter.model]
         model.in_flight -= 1
+        model.classes[self._levels[waiter.klass]].in_flight -= 1
         key = (waiter.model, waiter.tenant)
         self._served[key] = self._served.get(key, 0.0) + waiter.cost
         decided: list[Waiter] = []
@@ -436,7 +458,7 @@ class SchedulingCore:
         return decided
 
     def _fill(self, model: _ModelQueues, now: float, decided: list[Waiter]) -> None:
-        while model.in_flight < model.window and model.queued:
+        while model.queued:
             waiter = model.pop_next(self._fits)
             if waiter is None:
                 break
@@ -444,7 +466,7 @@ class SchedulingCore:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
             else:
-                self._dispatch(model, waiter)
+                self._dispatch(model, model.classes[self._levels[waiter.klass]], waiter)
             decided.append(waiter)
 
     def withdraw(self, waiter: Waiter) -> bool:
@@ -463,7 +485,7 @@ class SchedulingCore:
         whole window, the nested reservation keeps slots for the classes above), and the
         levels of the classes with work queued."""
         model = self._queues(model_name)
-        limited = any(k.live and model.in_flight >= k.window for k in model.classes)
+        limited = any(k.live and not model.has_room(level) for level, k in enumerate(model.classes))
         return limited, frozenset(i for i, k in enumerate(model.classes) if k.live)
 
     def snapshot(self) -> SchedulerSnapshot:
