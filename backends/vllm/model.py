@@ -321,6 +321,25 @@ class TritonEngineMetricFamilies:
         return build
 
 
+def cpu_bf16_native(cpuinfo: str) -> bool:
+    """Whether the CPU computes in bfloat16 itself (AVX512-BF16 or AMX) rather than
+    converting every operand: from /proc/cpuinfo's `flags` lines."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def resolve_cpu_dtype(settings: dict[str, Any], bf16_native: bool) -> dict[str, Any]:
+    """On vLLM's CPU backend, `"dtype": "auto"` means bfloat16 where the CPU computes in
+    it, else float32: on an AVX2-only CPU bfloat16 is emulated, and SmolLM2-135M ran 6 x
+    slower in it at 64 sequences (23 against 139 tokens/s). Any other dtype is kept."""
+    if settings.get("dtype", "auto") != "auto":
+        return settings
+    return {**settings, "dtype": "bfloat16" if bf16_native else "float32"}
+
+
 class TritonPythonModel:
     """Triton's entry points: initialize, execute (returns at once), finalize."""
 
@@ -335,6 +354,11 @@ class TritonPythonModel:
         with open(engine_file, encoding="utf-8") as f:
             engine_settings = json.load(f)
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                engine_settings = resolve_cpu_dtype(engine_settings, cpu_bf16_native(f.read()))
 
         try:
             engine_args = AsyncEngineArgs(**engine_settings)
@@ -356,8 +380,8 @@ class TritonPythonModel:
         self._max_model_len = self._engine.model_config.max_model_len
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self._loop)
         self.logger.log_info(
-            f"vllm backend: {engine_args.model} ready (max_model_len={self._max_model_len}, "
-            f"scheduling_policy={engine_args.scheduling_policy})"
+            f"vllm backend: {engine_args.model} ready (dtype={self._engine.model_config.dtype}, "
+            f"max_model_len={self._max_model_len}, scheduling_policy={engine_args.scheduling_policy})"
         )
 
     async def _start_engine(self, engine_args: AsyncEngineArgs) -> AsyncLLM:
