@@ -151,6 +151,15 @@ def engine_metrics(triton: LocalTriton) -> dict[str, float]:
     return samples
 
 
+def test_dtype_auto_is_bfloat16_only_on_a_cpu_that_computes_in_it(smollm2: LocalTriton) -> None:
+    # model.json says "auto"; an AVX2-only CPU emulates bfloat16 (6 x slower at 64 sequences).
+    flags = next(line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")).split()
+    expected = "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+    ready = re.search(r"vllm backend: \S+ ready \(dtype=torch\.(\w+)", smollm2.log_path.read_text(errors="replace"))
+    assert ready is not None, "the backend's ready line names no dtype"
+    assert ready.group(1) == expected
+
+
 async def test_greedy_answer_mentions_paris(smollm2: LocalTriton) -> None:
     chunks = await generate(
         generation_inputs(FRANCE, stream=False, sampling={**GREEDY, "max_tokens": 32}),

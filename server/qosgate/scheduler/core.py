@@ -221,10 +221,7 @@ class _ModelQueues:
         below = 0
         for klass in reversed(classes[level + 1 :]):
             below = min(below + klass.in_flight, klass.window)
-        here = 0
-        for klass in classes[: level + 1]:
-            here += klass.in_flight
-        return here + below < classes[level].window
+        return sum(k.in_flight for k in classes[: level + 1]) + below < classes[level].window
 
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
@@ -378,7 +375,7 @@ class SchedulingCore:
             and not klass.has_queued(waiter.tenant)
         ):
             klass.charge_at_once(waiter)
-            self._dispatch(model, klass, waiter)
+            self._dispatch(model, waiter)
             return _NOTHING
         if waiter.deadline is not None and waiter.deadline <= now:
             raise DeadlineExceeded("deadline exceeded before the request could be queued")
@@ -407,9 +404,9 @@ class SchedulingCore:
         waiter.state = WaiterState.QUEUED
         return shed
 
-    def _dispatch(self, model: _ModelQueues, klass: _ClassQueue, waiter: Waiter) -> None:
+    def _dispatch(self, model: _ModelQueues, waiter: Waiter) -> None:
         model.in_flight += 1
-        klass.in_flight += 1
+        model.classes[self._levels[waiter.klass]].in_flight += 1
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
         waiter.state = WaiterState.DISPATCHED
@@ -466,7 +463,7 @@ class SchedulingCore:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
             else:
-                self._dispatch(model, model.classes[self._levels[waiter.klass]], waiter)
+                self._dispatch(model, waiter)
             decided.append(waiter)
 
     def withdraw(self, waiter: Waiter) -> bool:
