@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosgate.launcher import LOOPBACK, LocalTriton, TritonPorts
+from qosgate.launcher import LOOPBACK, LocalTriton, TritonPorts, side_by_side_cpus
 
 
 def free_port() -> int:
@@ -236,11 +236,13 @@ class Stack:
     def __enter__(self) -> Stack:
         self._exit.__enter__()
         try:
-            for i in range(self.replica_count):
+            # One replica leaves its cores to vLLM; several get a disjoint share each.
+            shares = side_by_side_cpus(self.replica_count) if self.replica_count > 1 else [None]
+            for i, cpus in enumerate(shares):
                 ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
                 replica = LocalTriton(
                     models=self.models, ports=ports, model_repository=self.model_repository,
-                    log_path=self.dir / f"tritonserver-{i}.log", extra_args=self.triton_args,
+                    log_path=self.dir / f"tritonserver-{i}.log", extra_args=self.triton_args, cpus=cpus,
                 )
                 self.replicas.append(replica)
                 self._exit.callback(replica.stop)

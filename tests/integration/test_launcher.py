@@ -53,7 +53,9 @@ def _alive(proc: psutil.Process) -> bool:
 
 def test_stop_leaves_no_process_behind(tmp_path: pathlib.Path) -> None:
     require_model("smollm2")
-    server = LocalTriton(models=["smollm2"], ports=_ports(), log_path=tmp_path / "triton.log")
+    # The last CPU: vLLM, left to itself, binds its compute to the first.
+    cpu = max(os.sched_getaffinity(0))
+    server = LocalTriton(models=["smollm2"], ports=_ports(), log_path=tmp_path / "triton.log", cpus=[cpu])
     with server:
         assert server.pid is not None
         tree = _process_tree(server.pid)
@@ -62,6 +64,9 @@ def test_stop_leaves_no_process_behind(tmp_path: pathlib.Path) -> None:
         # a killed tritonserver.
         assert any("EngineCore" in name for name in names), names
         assert any("triton_python_backend_stub" in name for name in names), names
+        # Its worker computes on the CPUs given, and on no other.
+        workers = [p for p in tree if "VLLM::Worker" in p.name()]
+        assert workers and all(set(p.cpu_affinity()) == {cpu} for p in workers), names
     # multiprocessing's resource tracker ignores SIGTERM and leaves when its parent's pipe
     # closes: give such helpers a bounded moment to see their parents gone.
     deadline = time.monotonic() + 10
