@@ -108,6 +108,34 @@ def test_latency_of_the_highest_class_bounds_the_window_while_lower_classes_floo
     assert step(c, 10, latency={CRITICAL: 0.5, BATCH: 0.2}, queued=frozenset({CRITICAL, BATCH})) == 3
 
 
+def test_first_responses_slower_than_an_interval_still_shrink_the_window() -> None:
+    c = controller(window=64)
+    step(c, 0, latency={CRITICAL: 0.05}, limited=False)  # baseline 0.05 s: 0.075 s allowed
+    # Under the flood critical requests get no first response within the interval: their
+    # age is what they have waited at least, and past the allowed latency it counts.
+    c.dispatched(CRITICAL, "c1", 1.0)
+    c.dispatched(CRITICAL, "c2", 1.0)
+    assert step(c, 1, latency={BATCH: 0.3}) == 32  # aged 0.5 s: shrink by half
+    # Still waiting an interval on, as long as the first responses do not come.
+    assert step(c, 2, latency={BATCH: 0.3}) == 16
+    # One of them answers (its sample says the latency itself), the other ends without a
+    # first response (cancelled): neither counts as waiting any more.
+    c.latency(CRITICAL, 1.1, 2.1, key="c1")
+    c.ended(CRITICAL, "c2")
+    assert step(c, 3, latency={BATCH: 0.3}) == 8  # from the sample alone
+    assert step(c, 4, latency={BATCH: 0.3}) == 8  # no sample, nothing waiting: hold
+
+
+def test_a_dispatch_younger_than_the_allowed_latency_is_no_evidence() -> None:
+    c = controller(window=64)
+    step(c, 0, latency={CRITICAL: 0.4}, limited=False)  # baseline 0.4 s: 0.6 s allowed
+    c.dispatched(CRITICAL, "c1", 1.3)  # 0.2 s old when the interval closes
+    assert step(c, 1, latency={BATCH: 0.3}) == 64
+    # Nor does a young one lower the baseline: a quick answer later is judged by 0.4 s.
+    assert step(c, 2, latency={CRITICAL: 0.55, BATCH: 0.3}, limited=False) == 64
+    assert step(c, 3, latency={CRITICAL: 1.2, BATCH: 0.3}) == 32
+
+
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
     c = controller(window=40)
     step(c, 0, latency={CRITICAL: 0.05}, limited=False)

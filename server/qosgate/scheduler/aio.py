@@ -37,6 +37,9 @@ class Dispatch:
         self.queue_wait_s = queue_wait_s
         self.priority_level = priority_level
         self.dispatched_at = scheduler._clock.now()
+        controller = scheduler._controller(waiter.model)
+        if controller is not None:
+            controller.dispatched(scheduler._core.level(waiter.klass), waiter, self.dispatched_at)
 
     def responded(self) -> None:
         """The engine's first response arrived: a latency sample for an `auto` window."""
@@ -116,7 +119,7 @@ class Scheduler:
     def _latency(self, waiter: Waiter, seconds: float) -> None:
         controller = self._controller(waiter.model)
         if controller is not None:
-            controller.latency(self._core.level(waiter.klass), seconds, self._clock.now())
+            controller.latency(self._core.level(waiter.klass), seconds, self._clock.now(), key=waiter)
 
     def _resize(self, model: str, controller: WindowController) -> None:
         limited, queued_levels = self._core.window_pressure(model)
@@ -155,6 +158,7 @@ class Scheduler:
         self._resolve(self._core.release(waiter, self._clock.now()))
         controller = self._controller(waiter.model)
         if controller is not None:
+            controller.ended(self._core.level(waiter.klass), waiter)
             self._resize(waiter.model, controller)
         for model in self._core.forget_idle_models():
             self._windows.pop(model, None)

@@ -23,6 +23,12 @@ saturation detector and of Netflix's gradient concurrency limiters):
   no saturation signal (a dynamic batcher such as minilm's): then that class's latency
   is the only sign of saturation, and bounds the window the same way.
 
+A class's samples in an interval are its dispatches' first-response latencies, and the
+age of each of its dispatches still without a first response that is already older than
+the class may take (LATENCY_TOLERANCE x baseline): under a flood, first responses can
+take longer than an interval, and without these the controller saw no evidence and held
+the window where the flood had grown it.
+
 The baseline of a class is the lowest median of an interval's samples seen, whatever
 else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
 The window moves at most once per INTERVAL_S, always within [window_min, window_max].
@@ -72,8 +78,20 @@ class _ClassLatency:
     baseline_s: float | None = None
     samples: list[float] = field(default_factory=list)  # of the current interval
     recent_s: float | None = None  # their median, once the interval is over
+    # Dispatches still waiting for their first response: when each was dispatched.
+    pending: dict[object, float] = field(default_factory=dict)
 
-    def close_interval(self) -> None:
+    def close_interval(self, now: float) -> None:
+        # A dispatch without its first response yet has a latency of at least its age. One
+        # already past what the class may take is a sample of that age: an engine so
+        # loaded that no first response comes within an interval is not "no evidence".
+        if self.baseline_s is not None:
+            overdue = LATENCY_TOLERANCE * self.baseline_s
+            for dispatched_at in self.pending.values():
+                if len(self.samples) >= _KEEP:
+                    break
+                if now - dispatched_at > overdue:
+                    self.samples.append(now - dispatched_at)
         if not self.samples:
             self.recent_s = None
             return
@@ -99,15 +117,32 @@ class WindowController:
     waiting_since: float | None = None  # since when every reading showed a waiting queue
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
 
-    def latency(self, level: int, seconds: float, now: float) -> None:
-        """A dispatch of class `level` (0 highest) got its first response `seconds` after
-        it was dispatched."""
-        stats = self._classes.get(level)
-        if stats is None:
-            stats = self._classes[level] = _ClassLatency()
+    def dispatched(self, level: int, key: object, now: float) -> None:
+        """A request of class `level` (0 highest), known by `key`, was dispatched."""
+        stats = self._class(level)
+        stats.last_at = now
+        stats.pending[key] = now
+
+    def latency(self, level: int, seconds: float, now: float, key: object = None) -> None:
+        """A dispatch of class `level` got its first response `seconds` after it was
+        dispatched (`key`: as given to `dispatched`, if it was)."""
+        stats = self._class(level)
+        stats.pending.pop(key, None)
         stats.last_at = now
         if len(stats.samples) < _KEEP:
             stats.samples.append(seconds)
+
+    def ended(self, level: int, key: object) -> None:
+        """The dispatch `key` of class `level` ended, with or without a first response."""
+        stats = self._classes.get(level)
+        if stats is not None:
+            stats.pending.pop(key, None)
+
+    def _class(self, level: int) -> _ClassLatency:
+        stats = self._classes.get(level)
+        if stats is None:
+            stats = self._classes[level] = _ClassLatency()
+        return stats
 
     def engine_load(self, load: EngineLoad, now: float) -> None:
         self.engine, self.engine_at = load, now
@@ -125,7 +160,7 @@ class WindowController:
             return None
         self.next_at = now + INTERVAL_S
         for stats in self._classes.values():
-            stats.close_interval()
+            stats.close_interval(now)
         load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
         window: int | None = self._engine_bound(load, now, limited)
         protected = self._protected(now, engine_known=load is not None)
