@@ -136,6 +136,22 @@ def test_a_dispatch_younger_than_the_allowed_latency_is_no_evidence() -> None:
     assert step(c, 3, latency={CRITICAL: 1.2, BATCH: 0.3}) == 32
 
 
+def test_a_class_still_streaming_is_protected_long_after_its_first_response() -> None:
+    c = controller(window=16)
+    c.slow_start = False
+    step(c, 0, latency={CRITICAL: 0.05}, limited=False)
+    c.dispatched(CRITICAL, "c1", 1.0)
+    c.latency(CRITICAL, 0.05, 1.05, key="c1")
+    assert step(c, 2, latency={BATCH: 0.3}) == 18  # its first response was quick: grow
+    # Its tokens stream for a long while: no new sample, but the flood must not take
+    # the engine back meanwhile.
+    for i in range(3, 20):
+        assert step(c, i, latency={BATCH: 0.3}) == 18
+    # Once it ends (and its last report ages out), batch alone sizes for throughput.
+    c.ended(CRITICAL, "c1")
+    assert step(c, 20, latency={BATCH: 0.3}) == 20
+
+
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
     c = controller(window=40)
     step(c, 0, latency={CRITICAL: 0.05}, limited=False)

@@ -27,7 +27,10 @@ A class's samples in an interval are its dispatches' first-response latencies, a
 age of each of its dispatches still without a first response that is already older than
 the class may take (LATENCY_TOLERANCE x baseline): under a flood, first responses can
 take longer than an interval, and without these the controller saw no evidence and held
-the window where the flood had grown it.
+the window where the flood had grown it. A class is active while it has a dispatch in
+flight (a stream still answering, long after its first response) or reported a latency
+within ACTIVE_S: a critical stream in its decode phase is still protected, where the
+window once grew back to full size under it.
 
 The baseline of a class is the lowest median of an interval's samples seen, whatever
 else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
@@ -51,8 +54,9 @@ LARGEST_LATENCY_DECREASE = 0.5
 GROWTH_DIVISOR = 8
 # Per decision the baseline may rise by this fraction towards what is measured.
 BASELINE_DRIFT = 0.002
-# A class counts as active while it reported a latency within this long; engine
-# readings older than this are ignored (the scrape stopped working).
+# A class counts as active while it has a dispatch in flight or reported a latency
+# within this long; engine readings older than this are ignored (the scrape stopped
+# working).
 ACTIVE_S = 5.0
 ENGINE_STALE_S = 5.0
 # Requests arriving together wait in the engine until its next step; only a waiting
@@ -80,6 +84,11 @@ class _ClassLatency:
     recent_s: float | None = None  # their median, once the interval is over
     # Dispatches still waiting for their first response: when each was dispatched.
     pending: dict[object, float] = field(default_factory=dict)
+    # Dispatches not ended yet, answering or not.
+    in_flight: set[object] = field(default_factory=set)
+
+    def active(self, now: float) -> bool:
+        return bool(self.in_flight) or now - self.last_at <= ACTIVE_S
 
     def close_interval(self, now: float) -> None:
         # A dispatch without its first response yet has a latency of at least its age. One
@@ -122,6 +131,7 @@ class WindowController:
         stats = self._class(level)
         stats.last_at = now
         stats.pending[key] = now
+        stats.in_flight.add(key)
 
     def latency(self, level: int, seconds: float, now: float, key: object = None) -> None:
         """A dispatch of class `level` got its first response `seconds` after it was
@@ -137,6 +147,7 @@ class WindowController:
         stats = self._classes.get(level)
         if stats is not None:
             stats.pending.pop(key, None)
+            stats.in_flight.discard(key)
 
     def _class(self, level: int) -> _ClassLatency:
         stats = self._classes.get(level)
@@ -191,7 +202,7 @@ class WindowController:
         """The class whose latency bounds the window, and whether it is alone: the highest
         active class while a lower one is active too; without an engine reading, also a
         class alone (latency is then the only sign of saturation there is)."""
-        active = sorted(level for level, s in self._classes.items() if now - s.last_at <= ACTIVE_S)
+        active = sorted(level for level, s in self._classes.items() if s.active(now))
         if len(active) >= 2 or (active and not engine_known):
             return active[0], self._classes[active[0]], len(active) == 1
         return None
