@@ -152,6 +152,20 @@ def test_a_class_still_streaming_is_protected_long_after_its_first_response() ->
     assert step(c, 20, latency={BATCH: 0.3}) == 20
 
 
+def test_latency_keeps_room_for_the_protected_class_own_requests() -> None:
+    # A quarter of the window held back from batch (rounded its way): two critical
+    # requests need a window of 5, where batch may hold only 3.
+    c = WindowController(2, 64, 64, reserved=lambda level, window: window - int(window * 0.75))
+    step(c, 0, latency={CRITICAL: 0.05}, limited=False)
+    c.dispatched(CRITICAL, "c1", 1.0)
+    c.dispatched(CRITICAL, "c2", 1.0)
+    assert [step(c, i, latency={CRITICAL: 0.5, BATCH: 0.3}) for i in range(1, 7)] == [32, 16, 8, 5, 5, 5]
+    # With one of them left, the window may go on down to where one fits.
+    c.ended(CRITICAL, "c2")
+    assert step(c, 7, latency={CRITICAL: 0.5, BATCH: 0.3}) == 5  # c2 counts in this interval's peak
+    assert step(c, 8, latency={CRITICAL: 0.5, BATCH: 0.3}) == 2
+
+
 def test_engine_saturation_shrinks_even_while_latency_is_fine() -> None:
     c = controller(window=40)
     step(c, 0, latency={CRITICAL: 0.05}, limited=False)

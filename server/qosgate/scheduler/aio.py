@@ -19,7 +19,7 @@ from qosgate.auth import Tenant
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
 from qosgate.errors import DeadlineExceeded
-from qosgate.scheduler.classes import initial_window
+from qosgate.scheduler.classes import class_window, initial_window
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.window import EngineLoad, WindowController
 
@@ -110,11 +110,18 @@ class Scheduler:
         if model not in self._windows:
             policy = self._config.model_policy(model)
             self._windows[model] = (
-                WindowController(policy.window_min, policy.window_max, initial_window(policy))
+                WindowController(policy.window_min, policy.window_max, initial_window(policy), reserved=self._reserved)
                 if policy.dispatch_window == "auto"
                 else None
             )
         return self._windows[model]
+
+    def _reserved(self, level: int, window: int) -> int:
+        """The slots of `window` that the classes below `level` cannot take."""
+        classes = self._config.classes
+        if level + 1 >= len(classes):
+            return window
+        return window - class_window(self._config, classes[level + 1], window)
 
     def _latency(self, waiter: Waiter, seconds: float) -> None:
         controller = self._controller(waiter.model)

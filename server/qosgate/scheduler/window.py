@@ -30,7 +30,11 @@ take longer than an interval, and without these the controller saw no evidence a
 the window where the flood had grown it. A class is active while it has a dispatch in
 flight (a stream still answering, long after its first response) or reported a latency
 within ACTIVE_S: a critical stream in its decode phase is still protected, where the
-window once grew back to full size under it.
+window once grew back to full size under it. Nor does latency shrink the window below
+what keeps room, under the nested reservation, for as many requests of the protected
+class as it had in flight at once in the interval: a smaller window only queues them in
+the gateway behind each other (the bench saw a window of 2 to 5 hold one of two critical
+streams back for a whole generation of the other).
 
 The baseline of a class is the lowest median of an interval's samples seen, whatever
 else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
@@ -40,6 +44,7 @@ The window moves at most once per INTERVAL_S, always within [window_min, window_
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # How often the window may move; long enough for a few dispatches to report latency.
@@ -84,13 +89,17 @@ class _ClassLatency:
     recent_s: float | None = None  # their median, once the interval is over
     # Dispatches still waiting for their first response: when each was dispatched.
     pending: dict[object, float] = field(default_factory=dict)
-    # Dispatches not ended yet, answering or not.
+    # Dispatches not ended yet, answering or not; the most at once in this interval and
+    # in the last one.
     in_flight: set[object] = field(default_factory=set)
+    peak: int = 0
+    recent_peak: int = 0
 
     def active(self, now: float) -> bool:
         return bool(self.in_flight) or now - self.last_at <= ACTIVE_S
 
     def close_interval(self, now: float) -> None:
+        self.recent_peak, self.peak = self.peak, len(self.in_flight)
         # A dispatch without its first response yet has a latency of at least its age. One
         # already past what the class may take is a sample of that age: an engine so
         # loaded that no first response comes within an interval is not "no evidence".
@@ -124,6 +133,9 @@ class WindowController:
     engine: EngineLoad | None = None
     engine_at: float = 0.0
     waiting_since: float | None = None  # since when every reading showed a waiting queue
+    # The slots of a window (2nd argument) that classes below `level` (1st) cannot take
+    # (the nested reservation); by default all of them.
+    reserved: Callable[[int, int], int] = lambda level, window: window
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
 
     def dispatched(self, level: int, key: object, now: float) -> None:
@@ -132,6 +144,7 @@ class WindowController:
         stats.last_at = now
         stats.pending[key] = now
         stats.in_flight.add(key)
+        stats.peak = max(stats.peak, len(stats.in_flight))
 
     def latency(self, level: int, seconds: float, now: float, key: object = None) -> None:
         """A dispatch of class `level` got its first response `seconds` after it was
@@ -182,7 +195,7 @@ class WindowController:
             if not alone and level in queued_levels:
                 window = self._grown()
             else:
-                window = self._latency_bound(stats, limited)
+                window = self._latency_bound(level, stats, limited)
         if window is None or window == self.window:
             return None
         if window < self.window:
@@ -207,15 +220,25 @@ class WindowController:
             return active[0], self._classes[active[0]], len(active) == 1
         return None
 
-    def _latency_bound(self, stats: _ClassLatency, limited: bool) -> int | None:
+    def _latency_bound(self, level: int, stats: _ClassLatency, limited: bool) -> int | None:
         recent = stats.recent_s
         if recent is None or stats.baseline_s is None:
             return None  # no evidence from the last interval: hold
         allowed = LATENCY_TOLERANCE * stats.baseline_s
         if recent > allowed:
             factor = max(LARGEST_LATENCY_DECREASE, allowed / recent)
-            return max(self.minimum, min(self.window - 1, int(self.window * factor)))
+            shrunk = max(self.minimum, min(self.window - 1, int(self.window * factor)))
+            return max(shrunk, self._room_for(level, stats.recent_peak))
         return self._grown() if limited else self.window
+
+    def _room_for(self, level: int, count: int) -> int:
+        """The smallest window (down to the current one) that keeps room for `count`
+        requests of class `level` whatever the classes below hold: smaller, and the
+        class's own requests queue in the gateway behind each other."""
+        for window in range(self.minimum, self.window):
+            if self.reserved(level, window) >= count:
+                return window
+        return self.window
 
     def _grown(self) -> int:
         step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
