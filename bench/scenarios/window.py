@@ -30,6 +30,7 @@ CRITICAL_TOKENS = 16
 CRITICAL_STREAMS = 2
 CONCURRENCY = 64  # smollm2's max_num_seqs: the engine's own batch limit
 FLOOD = 4 * CONCURRENCY
+THROUGHPUT_PASSES = 4
 PROMPT = "Explain what a load balancer does, in detail."
 STANDARD = load.Caller("standard", api_key="bench-standard-key", klass="standard")
 CRITICAL = load.Caller("critical", api_key="bench-critical-key", klass="critical")
@@ -46,7 +47,7 @@ class Run:
 
     name: str
     policy: dict[str, object]
-    # One per pass: the passes go through the windows in opposite orders.
+    # One per pass: the passes go through the windows in alternating orders.
     tokens_per_s_passes: list[float] = dataclasses.field(default_factory=list)
     unloaded_ttft_ms: list[float] = dataclasses.field(default_factory=list)
     flood_ttft_ms: list[float] = dataclasses.field(default_factory=list)
@@ -170,9 +171,9 @@ def run(ctx: RunContext) -> ScenarioResult:
              f"then {CRITICAL_STREAMS} `critical` streams of {CRITICAL_TOKENS} tokens alone ({seconds:.0f} s); "
              f"then the same next to {FLOOD} `batch` streams ({settle:.0f} s for the flood to settle in, "
              f"{seconds:.0f} s counted). Every window in one run, one gateway after the other on the same "
-             f"Triton, after {settle:.0f} s of engine warm-up at 64 streams; then a second throughput pass "
-             "through the windows in reverse order (tokens/s is the mean of both); closed loops, each phase's "
-             "end is its streams' deadline."]
+             f"Triton, after {settle:.0f} s of engine warm-up at 64 streams; then {THROUGHPUT_PASSES - 1} more "
+             "throughput passes, each through the windows in the opposite order of the one before (tokens/s is "
+             "the mean of all); closed loops, each phase's end is its streams' deadline."]
     runs = [Run("auto", {}), Run("fixed 4 (too small)", {"dispatch_window": 4}),
             Run("fixed 64 (too large)", {"dispatch_window": CONCURRENCY})]
     if not ctx.quick:
@@ -190,11 +191,13 @@ def run(ctx: RunContext) -> ScenarioResult:
             with WindowSampler(stack.gateway_metrics_url, epoch) as sampler:
                 asyncio.run(phases(url, r, warmup, settle, seconds))
             r.windows = sampler.samples
-        # A second throughput pass in the opposite order: an engine still warming up, or
-        # slowing down, favours neither end of the list.
-        for r in reversed(runs):
-            stack.wait_idle(MODEL)
-            asyncio.run(throughput(stack.start_gateway(tenants=TENANTS, models={MODEL: r.policy}), r, warmup, seconds))
+        # More throughput passes, each in the opposite order of the one before: drift on a
+        # shared machine (15 % between two passes of one window) favours no window.
+        for n in range(1, THROUGHPUT_PASSES):
+            for r in reversed(runs) if n % 2 else runs:
+                stack.wait_idle(MODEL)
+                asyncio.run(throughput(stack.start_gateway(tenants=TENANTS, models={MODEL: r.policy}), r, warmup, seconds))
+        for r in runs:
             log.info("%s", r.row())
     auto, fixed = runs[0], runs[1:]
     best = max(fixed, key=lambda r: r.tokens_per_s)
