@@ -18,7 +18,7 @@ import pytest
 
 from qosgate.launcher import LocalTriton
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
-from conftest import require_model
+from conftest import engine_idle, require_model
 from gateway_harness import GatewayThread, bearer, gateway_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -28,7 +28,11 @@ COUNTING_PROMPT = "The numbers from one to one thousand: 1, 2, 3, 4,"
 LONG_TOKENS, SHORT_TOKENS = 128, 8
 WINDOW = 8
 STREAMS = 12  # per tenant: together well above the window, so queues form in the gateway
-WARMUP_S, MEASURE_S = 3.0, 12.0
+WARMUP_S = 3.0
+# The measured interval lasts until the engine has delivered this much token service (about
+# 12 s on an unloaded 2-core machine), so a slow or briefly stalled engine lengthens the
+# measurement instead of judging fairness on a handful of tokens; MEASURE_CAP_S bounds it.
+MEASURE_SERVICE, MEASURE_CAP_S = 1000.0, 120.0
 OUTPUT_WEIGHT = 2  # VTC's w: the token service counted is prompt + 2 x completion
 
 
@@ -78,49 +82,58 @@ class Service:
         return sum(tokens for at, tokens in self.events if lo <= at < hi)
 
 
-async def _stream_loop(url: str, tenant: str, max_tokens: int, until: float, service: Service) -> None:
-    """One closed-loop stream: a generation, then the next, until `until`. Each text chunk
+async def _stream_loop(url: str, tenant: str, max_tokens: int, service: Service) -> None:
+    """One closed-loop stream: a generation, then the next, until cancelled. Each text chunk
     counts as a generated token when it arrives; the final usage corrects the count."""
     metadata = tuple(bearer(f"{tenant}-key").items())
     request = _counting(max_tokens)
     async with grpc.aio.insecure_channel(url) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        while time.monotonic() < until:
+        while True:
             chunks = 0
-            # The deadline ends the load on time: a long generation is cut off, not awaited.
-            call = stub.GenerateStream(request, metadata=metadata, timeout=until - time.monotonic())
-            try:
-                async for response in call:
-                    now = time.monotonic()
-                    if response.HasField("usage"):
-                        extra = response.usage.completion_tokens - chunks
-                        service.events.append((now, response.usage.prompt_tokens + OUTPUT_WEIGHT * max(0, extra)))
-                    elif response.text:
-                        chunks += 1
-                        service.events.append((now, OUTPUT_WEIGHT))
-            except grpc.aio.AioRpcError as e:
-                if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
-                return
+            async for response in stub.GenerateStream(request, metadata=metadata, timeout=MEASURE_CAP_S * 2):
+                now = time.monotonic()
+                if response.HasField("usage"):
+                    extra = response.usage.completion_tokens - chunks
+                    service.events.append((now, response.usage.prompt_tokens + OUTPUT_WEIGHT * max(0, extra)))
+                elif response.text:
+                    chunks += 1
+                    service.events.append((now, OUTPUT_WEIGHT))
 
 
-async def _saturate(url: str) -> tuple[float, float]:
-    """Both tenants saturate the model; their token service over the measured interval."""
-    start = time.monotonic()
-    until = start + WARMUP_S + MEASURE_S
+async def _saturate(url: str) -> tuple[float, float, str]:
+    """Both tenants saturate the model; their token service over the measured interval, and
+    the service per second of both, for a failure's message."""
     services = {"long": Service(), "short": Service()}
     # Interleaved, so neither tenant's first requests take the whole window: on a slow
     # (loaded) engine a 128-token generation can outlast the measured interval, and the
     # first holder of every slot would then keep it whatever the fair share decides.
-    await asyncio.gather(
-        *(
-            _stream_loop(url, tenant, tokens, until, services[tenant])
-            for _ in range(STREAMS)
-            for tenant, tokens in (("long", LONG_TOKENS), ("short", SHORT_TOKENS))
-        )
+    loops = [
+        asyncio.create_task(_stream_loop(url, tenant, tokens, services[tenant]))
+        for _ in range(STREAMS)
+        for tenant, tokens in (("long", LONG_TOKENS), ("short", SHORT_TOKENS))
+    ]
+    start = time.monotonic()
+    lo = start + WARMUP_S
+    try:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for loop in loops:
+                if loop.done():
+                    loop.result()  # a stream that failed fails the test with its error
+            delivered = sum(service.between(lo, now) for service in services.values())
+            if delivered >= MEASURE_SERVICE or now - lo >= MEASURE_CAP_S:
+                break
+    finally:
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+    timeline = " ".join(
+        f"{sum(s.between(start + i, start + i + 1) for s in services.values()):.0f}" for i in range(int(now - start) + 1)
     )
-    lo, hi = start + WARMUP_S, until
-    return services["long"].between(lo, hi), services["short"].between(lo, hi)
+    assert delivered >= MEASURE_SERVICE, f"the engine delivered {delivered:.0f} in {now - lo:.0f} s: {timeline}"
+    return services["long"].between(lo, now), services["short"].between(lo, now), timeline
 
 
 @pytest.fixture(scope="module", params=["cost", "requests"])
@@ -131,18 +144,22 @@ def fair_share_gateway(request: pytest.FixtureRequest, triton: LocalTriton) -> I
         yield request.param, thread
 
 
-def test_long_and_short_generations_get_equal_token_service(fair_share_gateway: tuple[str, GatewayThread]) -> None:
+def test_long_and_short_generations_get_equal_token_service(
+    fair_share_gateway: tuple[str, GatewayThread], triton: LocalTriton
+) -> None:
     fair_share, thread = fair_share_gateway
-    long_service, short_service = asyncio.run(_saturate(thread.url))
-    assert long_service > 0 and short_service > 0
+    engine_idle(triton, "requests of earlier tests still run in the engine")
+    long_service, short_service, timeline = asyncio.run(_saturate(thread.url))
+    assert long_service > 0 and short_service > 0, timeline
     ratio = max(long_service, short_service) / min(long_service, short_service)
     print(f"fair_share={fair_share}: token service long {long_service:.0f}, short {short_service:.0f}, ratio {ratio:.2f}")
+    print(f"token service per second, both tenants: {timeline}")
     if fair_share == "cost":
         # Aim 1.5 (the bench reports the figure over 90 s); generous for a short run.
-        assert ratio <= 2.0, (long_service, short_service)
+        assert ratio <= 2.0, (long_service, short_service, timeline)
     else:
         # Per-request fair share: the long tenant gets many times the short one's tokens.
-        assert long_service / short_service >= 3.0, (long_service, short_service)
+        assert long_service / short_service >= 3.0, (long_service, short_service, timeline)
 
 
 @pytest.fixture(scope="module")
