@@ -12,6 +12,17 @@ from tritonclient.grpc import service_pb2
 from qosgate.services import infer_wire
 
 MAX_FIELDS = 4096
+# An unknown length-delimited field (15) of 2 x MAX_FIELDS bytes: put in front of a request
+# it changes nothing a parser reads, and makes the message too large for peek_request's
+# parsed path, so the same case runs through the budgeted walk.
+_PADDING = b"\x7a" + bytes([(2 * MAX_FIELDS) & 0x7F | 0x80, (2 * MAX_FIELDS) >> 7]) + b"\x00" * (2 * MAX_FIELDS)
+
+
+@pytest.fixture(params=["parsed", "walked"])
+def peek(request: pytest.FixtureRequest):
+    """peek_request by each of its two paths (small messages parsed, large ones walked)."""
+    padding = _PADDING if request.param == "walked" else b""
+    return lambda raw: infer_wire.peek_request(padding + raw, MAX_FIELDS)
 
 
 def _request(**params: object) -> service_pb2.ModelInferRequest:
@@ -29,27 +40,27 @@ def _request(**params: object) -> service_pb2.ModelInferRequest:
     return request
 
 
-def test_peek_reads_routing_fields_and_skips_tensors() -> None:
+def test_peek_reads_routing_fields_and_skips_tensors(peek) -> None:
     raw = _request(triton_enable_empty_final_response=True, other="x").SerializeToString()
-    head = infer_wire.peek_request(raw, MAX_FIELDS)
+    head = peek(raw)
     assert (head.model_name, head.id, head.wants_empty_final) == ("minilm", "req-7", True)
 
 
-def test_peek_reads_the_batch_rows_of_the_first_input() -> None:
-    assert infer_wire.peek_request(_request().SerializeToString(), MAX_FIELDS).rows == 1
+def test_peek_reads_the_batch_rows_of_the_first_input(peek) -> None:
+    assert peek(_request().SerializeToString()).rows == 1
     request = service_pb2.ModelInferRequest(model_name="minilm")
     request.inputs.add(name="text", datatype="BYTES", shape=[300, 1])
     request.inputs.add(name="other", datatype="BYTES", shape=[7])
-    assert infer_wire.peek_request(request.SerializeToString(), MAX_FIELDS).rows == 300
+    assert peek(request.SerializeToString()).rows == 300
     # No shape (or no input): one row.
-    assert infer_wire.peek_request(service_pb2.ModelInferRequest(model_name="m").SerializeToString(), MAX_FIELDS).rows == 1
+    assert peek(service_pb2.ModelInferRequest(model_name="m").SerializeToString()).rows == 1
 
 
-def test_peek_last_occurrence_wins_like_protobuf() -> None:
+def test_peek_last_occurrence_wins_like_protobuf(peek) -> None:
     raw = _request().SerializeToString() + service_pb2.ModelInferRequest(
         model_name="identity"
     ).SerializeToString()
-    assert infer_wire.peek_request(raw, MAX_FIELDS).model_name == "identity"
+    assert peek(raw).model_name == "identity"
     assert service_pb2.ModelInferRequest.FromString(raw).model_name == "identity"
 
 
@@ -80,12 +91,12 @@ def test_priority_fragment_encodes_any_level(level: int) -> None:
     assert merged.parameters["priority"].uint64_param == level
 
 
-def test_id_and_empty_final_fragments() -> None:
+def test_id_and_empty_final_fragments(peek) -> None:
     raw = _request().SerializeToString() + infer_wire.id_fragment("q1") + infer_wire.empty_final_fragment()
     merged = service_pb2.ModelInferRequest.FromString(raw)
     assert merged.id == "q1"
     assert merged.parameters["triton_enable_empty_final_response"].bool_param is True
-    assert infer_wire.peek_request(raw, MAX_FIELDS).id == "q1"
+    assert peek(raw).id == "q1"
 
 
 def _stream_response(*, final: bool, outputs: bool = True, error: str = "") -> bytes:
@@ -122,10 +133,10 @@ def test_stream_response_id_restored_by_appending() -> None:
     assert merged.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
 
 
-def test_truncated_bytes_are_rejected() -> None:
+def test_truncated_bytes_are_rejected(peek) -> None:
     raw = _request().SerializeToString()
     with pytest.raises(infer_wire.WireError):
-        infer_wire.peek_request(raw[:-3], MAX_FIELDS)
+        peek(raw[:-3])
 
 
 def _rich_request() -> bytes:
@@ -153,11 +164,11 @@ def _rich_request() -> bytes:
         b"\x00\x01",  # field number 0
     ],
 )
-def test_requests_the_protobuf_runtime_refuses_are_refused(raw: bytes) -> None:
+def test_requests_the_protobuf_runtime_refuses_are_refused(raw: bytes, peek) -> None:
     with pytest.raises(DecodeError):
         service_pb2.ModelInferRequest.FromString(raw)
     with pytest.raises(infer_wire.WireError):
-        infer_wire.peek_request(raw, MAX_FIELDS)
+        peek(raw)
 
 
 _VALID = _rich_request()
@@ -168,8 +179,8 @@ _EDITS = st.lists(
 )
 
 
-def test_the_rich_request_passes() -> None:
-    assert infer_wire.peek_request(_VALID, MAX_FIELDS).wants_empty_final
+def test_the_rich_request_passes(peek) -> None:
+    assert peek(_VALID).wants_empty_final
 
 
 @settings(max_examples=500, deadline=None, database=None)
@@ -187,11 +198,23 @@ def test_mutated_requests_are_refused_whenever_the_protobuf_runtime_refuses_them
         else:
             del raw[at]
     try:
-        service_pb2.ModelInferRequest.FromString(bytes(raw))
+        parsed = service_pb2.ModelInferRequest.FromString(bytes(raw))
     except DecodeError:
-        # What Triton's parser would refuse must never be forwarded.
-        with pytest.raises(infer_wire.WireError):
-            infer_wire.peek_request(bytes(raw), MAX_FIELDS)
+        # What Triton's parser would refuse must never be forwarded, by either path.
+        for padding in (b"", _PADDING):
+            with pytest.raises(infer_wire.WireError):
+                infer_wire.peek_request(padding + bytes(raw), MAX_FIELDS)
+        return
+    # What it accepts, both paths read alike (the walk may refuse more: groups, which
+    # the runtime skips as unknown fields, it does not read).
+    heads = []
+    for padding in (b"", _PADDING):
+        try:
+            heads.append(infer_wire.peek_request(padding + bytes(raw), MAX_FIELDS))
+        except infer_wire.WireError:
+            continue
+    assert all(head == heads[0] for head in heads)
+    assert heads[0].model_name == parsed.model_name
 
 
 def test_field_budget_bounds_the_work_on_a_crafted_request() -> None:

