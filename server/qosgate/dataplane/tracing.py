@@ -54,19 +54,20 @@ class Tracing:
     def call_span(self, rpc: str, tenant: str, model: str, headers: Mapping[str, str] | None) -> Span:
         """The span of one call, child of the caller's `traceparent` if it sent one."""
         parent = _PROPAGATOR.extract(headers) if headers and TRACEPARENT in headers else None
-        span = self._tracer.start_span(
+        if self._provider is None:
+            # Tracing is off: no span, but the caller's own context goes on to Triton.
+            return trace.INVALID_SPAN if parent is None else trace.get_current_span(parent)
+        return self._tracer.start_span(
             f"qosgate {rpc}",
             context=parent,
             kind=SpanKind.SERVER,
             attributes={"qosgate.rpc": rpc, "qosgate.tenant": tenant, "qosgate.model": model},
         )
-        if not span.get_span_context().is_valid and parent is not None:
-            # Tracing is off: carry the caller's own context on to Triton.
-            return trace.get_current_span(parent)
-        return span
 
     def child(self, parent: Span, name: str, attributes: Mapping[str, str] | None = None) -> Span:
         """A span under `parent` (its own start now; end it)."""
+        if self._provider is None:
+            return trace.INVALID_SPAN
         return self._tracer.start_span(name, context=trace.set_span_in_context(parent), attributes=attributes)
 
     def headers(self, span: Span, fallback: Span) -> Sequence[tuple[str, str]]:
