@@ -19,6 +19,11 @@ class Admission:
         self._store = store
         self._clock = clock
 
+    @property
+    def in_process(self) -> bool:
+        """Admitting and releasing never wait (see QuotaStore.in_process)."""
+        return self._store.in_process
+
     async def admit(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict:
         """Admitted(permit) or Refused(retry_after_s, violations); a refusal charges nothing.
 

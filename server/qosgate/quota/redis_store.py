@@ -217,6 +217,8 @@ class RedisQuotaStore:
     Call `aclose()` at shutdown.
     """
 
+    in_process = False
+
     def __init__(
         self,
         client: redis.Redis,

@@ -24,7 +24,11 @@ class QuotaStore(Protocol):
 
     Async because a shared store (Redis) answers over the network; `now` is the caller's
     clock, which a shared store may replace with its own (see `RedisQuotaStore`).
+    `in_process` is True for a store whose coroutines never suspend: a caller may run
+    them outside a task (eager.run_eagerly), which a network client's timeouts forbid.
     """
+
+    in_process: bool
 
     async def acquire(
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
@@ -62,6 +66,8 @@ class InMemoryQuotaStore:
 
     Its coroutines never suspend, so a check-and-charge is atomic on the event loop.
     """
+
+    in_process = True
 
     def __init__(self) -> None:
         self._states: dict[str, _TenantState] = {}

@@ -15,7 +15,8 @@ A refusal is answered by the relay with the error table's status and details
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import code_pb2
@@ -23,6 +24,7 @@ from google.rpc import code_pb2
 from qosgate import errors
 from qosgate.config import GatewayConfig
 from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
+from qosgate.eager import run_eagerly
 from qosgate.memory import HeapTrimmer
 from qosgate.relay import upstream as relay_upstream
 from qosgate.relay.policy import CallEnd, CallHead, Decision, Forward, Refuse
@@ -32,6 +34,9 @@ from qosgate.services.kserve import PRIORITY_HEADER, dispatch_fragment, peek_inf
 from qosgate.upstream import Upstream, UpstreamPool
 
 RPC = "ModelInfer"
+T = TypeVar("T")
+# gRPC status code -> its name (the `code` metric label); an upstream's out-of-range code is UNKNOWN.
+_CODE_NAMES = {value: name for name, value in code_pb2.Code.items()}
 
 
 class InferAdmissionPolicy:
@@ -54,8 +59,16 @@ class InferAdmissionPolicy:
         self._heap = heap
         self._closing: set[asyncio.Task[None]] = set()
 
-    def __call__(self, head: CallHead) -> asyncio.Task[Decision]:
-        return asyncio.ensure_future(self._decide(head))
+    def __call__(self, head: CallHead) -> Decision | asyncio.Task[Decision]:
+        return self._start(self._decide(head))
+
+    def _start(self, coro: Coroutine[Any, Any, T]) -> T | asyncio.Task[T]:
+        """Run `coro` at once, its result without a task when it does not wait (the common
+        case: admission in process, a free slot); with a shared quota store (Redis, whose
+        client times out through the current task) always as a task."""
+        if self._plane.admission.in_process:
+            return run_eagerly(coro)
+        return asyncio.ensure_future(coro)
 
     async def _decide(self, head: CallHead) -> Decision:
         metadata = [
@@ -107,12 +120,13 @@ class InferAdmissionPolicy:
                 scope.responded()
             elif end.status == code_pb2.UNAVAILABLE:
                 self._pool.recheck(call.upstream)  # it may have gone away: check it now
-            code = "CANCELLED" if end.status is None else code_pb2.Code.Name(end.status)
+            code = "CANCELLED" if end.status is None else _CODE_NAMES.get(end.status, "UNKNOWN")
             call.done()
             self._heap.message(size)
-            task = asyncio.ensure_future(scope.close_with_code(code))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            closing = self._start(scope.close_with_code(code))
+            if closing is not None:  # it waits (a shared quota store): keep it until done
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
         def failover() -> relay_upstream.UpstreamPool | None:
             other = call.failover()

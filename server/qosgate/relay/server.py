@@ -12,7 +12,6 @@ headers and trailers as Triton wrote them, RST_STREAM both ways, the deadline fr
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import ssl
 from collections.abc import Sequence
@@ -253,11 +252,11 @@ class Call:
             log.exception("relay policy failed")
             self.fail(Refuse(INTERNAL, "internal error"))
             return
-        if inspect.isawaitable(decision):
-            self.decision_task = asyncio.ensure_future(decision)
-            self.decision_task.add_done_callback(lambda task: self.decided_later(task, message, first))
+        if isinstance(decision, (Forward, Refuse)):
+            self.apply(decision, message, first, waited=False)
             return
-        self.apply(decision, message, first, waited=False)
+        self.decision_task = asyncio.ensure_future(decision)
+        self.decision_task.add_done_callback(lambda task: self.decided_later(task, message, first))
 
     def decided_later(
         self, task: asyncio.Future[Decision], message: bytes, first: framing.FirstMessage | None
