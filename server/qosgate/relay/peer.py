@@ -56,7 +56,8 @@ class Pipe:
             source = self.source
             if not source.closed:
                 source.h2.acknowledge(self.source_id, size)
-                source.touch()
+                if source.h2.wants_write:  # a WINDOW_UPDATE is due (past half the window)
+                    source.touch()
 
     def drop(self) -> None:
         """The call is over: nothing will be handed on, give the source its window back."""
@@ -98,12 +99,22 @@ class Flusher:
             self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        self._scheduled = False
+        # Writing one connection settles pipes and so marks others: they are written in
+        # this same pass, not in another callback.
         dirty = self._dirty
-        while dirty:
-            peer = dirty.pop()
-            peer.dirty = False
-            peer.write_out()
+        try:
+            while dirty:
+                peer = dirty.pop()
+                peer.dirty = False
+                try:
+                    peer.write_out()
+                except Exception:
+                    # A bug, not the peer's doing: its calls fail (the connection closes)
+                    # rather than wait forever on a connection nobody writes.
+                    log.exception("relay: writing to a connection failed; closing it")
+                    peer.abort()
+        finally:
+            self._scheduled = False
 
 
 class Peer(asyncio.Protocol):

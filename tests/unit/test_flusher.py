@@ -1,0 +1,81 @@
+"""The relay's Flusher: each dirty connection written once per pass, in the same pass when
+writing one dirties another, and a connection whose write fails closed, not forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+
+from qosgate.relay.peer import Flusher
+
+
+class _Peer:
+    """What the Flusher uses of a Peer: `dirty`, `write_out()`, `abort()`."""
+
+    def __init__(self, name: str, log: list[str], then: list[_Peer] | None = None, fails: bool = False) -> None:
+        self.name = name
+        self.dirty = False
+        self.log = log
+        self.then = then or []
+        self.fails = fails
+        self.aborted = False
+
+    def mark(self, flusher: Flusher) -> None:
+        if not self.dirty:
+            self.dirty = True
+            flusher.mark(self)  # type: ignore[arg-type]
+
+    def write_out(self) -> None:
+        self.log.append(self.name)
+        if self.fails:
+            raise RuntimeError("a bug")
+        for other in self.then:
+            other.mark(self.flusher)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _CountingFlusher(Flusher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = 0
+
+    def flush(self) -> None:
+        self.passes += 1
+        super().flush()
+
+
+async def _turns(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def test_connections_dirtied_while_writing_are_written_in_the_same_pass() -> None:
+    flusher = _CountingFlusher()
+    log: list[str] = []
+    downstream = _Peer("down", log)
+    upstream = _Peer("up", log, then=[downstream])  # writing it settles a pipe: down is due
+    for peer in (downstream, upstream):
+        peer.flusher = flusher  # type: ignore[attr-defined]
+    upstream.mark(flusher)
+    upstream.mark(flusher)  # marked twice, written once
+    await _turns(3)
+    assert log == ["up", "down"]
+    assert flusher.passes == 1  # no second pass scheduled for what the first one wrote
+
+
+async def test_a_connection_whose_write_fails_is_closed_and_the_others_are_still_written() -> None:
+    flusher = Flusher()
+    log: list[str] = []
+    broken = _Peer("broken", log, fails=True)
+    healthy = _Peer("healthy", log)
+    for peer in (healthy, broken):
+        peer.flusher = flusher  # type: ignore[attr-defined]
+        peer.mark(flusher)
+    await _turns(1)
+    assert sorted(log) == ["broken", "healthy"]
+    assert broken.aborted and not healthy.aborted
+    # Later marks are still written: the failure did not leave the flusher stuck.
+    healthy.mark(flusher)
+    await _turns(1)
+    assert log[-1] == "healthy"
