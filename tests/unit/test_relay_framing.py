@@ -29,6 +29,18 @@ def test_scanner_counts_messages_split_anywhere() -> None:
         assert scanner.count == 3
 
 
+def test_scanner_counts_one_whole_message_per_chunk_and_keeps_its_bound() -> None:
+    scanner = framing.MessageScanner(limit=100)
+    for payload in (b"", b"x" * 100, b"y"):
+        scanner.scan(framing.frame(payload))
+    assert scanner.count == 3
+    scanner.scan(framing.frame(b"z" * 50)[:9])  # then a split one still counts once
+    scanner.scan(framing.frame(b"z" * 50)[9:])
+    assert scanner.count == 4
+    with pytest.raises(framing.MessageTooLarge, match="101 bytes"):
+        scanner.scan(framing.frame(b"x" * 101))
+
+
 def test_scanner_refuses_a_message_over_the_limit_from_its_prefix() -> None:
     scanner = framing.MessageScanner(limit=100)
     with pytest.raises(framing.MessageTooLarge, match="101 bytes"):

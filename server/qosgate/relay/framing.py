@@ -36,6 +36,14 @@ class MessageScanner:
 
     def scan(self, data: bytes | memoryview) -> None:
         pos, size = 0, len(data)
+        if not self._left and not self._header and size >= PREFIX:
+            # The usual chunk: exactly one whole message.
+            length = int.from_bytes(data[1:PREFIX], "big")
+            if PREFIX + length == size:
+                if length > self._limit:
+                    raise MessageTooLarge(length, self._limit)
+                self.count += 1
+                return
         while pos < size:
             if self._left:
                 step = min(self._left, size - pos)

@@ -115,6 +115,9 @@ class Flusher:
                     peer.abort()
         finally:
             self._scheduled = False
+            if dirty:  # left by an exception that is not a bug of ours (the loop stops)
+                self._scheduled = True
+                self._loop.call_soon(self.flush)
 
 
 class Peer(asyncio.Protocol):
