@@ -28,11 +28,14 @@ COUNTING_PROMPT = "The numbers from one to one thousand: 1, 2, 3, 4,"
 LONG_TOKENS, SHORT_TOKENS = 128, 8
 WINDOW = 8
 STREAMS = 12  # per tenant: together well above the window, so queues form in the gateway
-WARMUP_S = 3.0
-# The measured interval lasts until the engine has delivered this much token service (about
-# 12 s on an unloaded 2-core machine), so a slow or briefly stalled engine lengthens the
-# measurement instead of judging fairness on a handful of tokens; MEASURE_CAP_S bounds it.
-MEASURE_SERVICE, MEASURE_CAP_S = 1000.0, 120.0
+# Start-time fair queueing charges a request's whole estimated cost when it is dispatched,
+# and a 128-token generation runs ~16 s here: the shares settle only over a few of them.
+# The warm-up lets every window slot turn over once; the measured interval lasts until the
+# engine has delivered this much token service (about 25 s on an unloaded 2-core machine),
+# so a slow or briefly stalled engine lengthens the measurement instead of judging
+# fairness on a handful of tokens; MEASURE_CAP_S bounds it.
+WARMUP_S = 10.0
+MEASURE_SERVICE, MEASURE_CAP_S = 3000.0, 150.0
 OUTPUT_WEIGHT = 2  # VTC's w: the token service counted is prompt + 2 x completion
 
 
