@@ -74,7 +74,8 @@ class InMemoryQuotaStore:
 
     def _state(self, tenant: str, limits: LimitsConfig, now: float) -> _TenantState:
         state = self._states.get(tenant)
-        if state is None or state.limits != limits:
+        # Identity first: the same config object every call, until a reload.
+        if state is None or (state.limits is not limits and state.limits != limits):
             # New tenant or new limits after a reload: fresh buckets, but in-flight requests
             # still count against concurrency.
             state = _TenantState(
@@ -118,7 +119,7 @@ class InMemoryQuotaStore:
             return
         state.in_flight = max(0, state.in_flight - 1)
         # After a reload replaced the bucket, the reservation was made in the old one.
-        if actual_tokens is None or state.tokens is None or state.limits != limits:
+        if actual_tokens is None or state.tokens is None or (state.limits is not limits and state.limits != limits):
             return
         extra = actual_tokens - reserved_tokens
         if extra > 0:

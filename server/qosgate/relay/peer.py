@@ -150,7 +150,9 @@ class Peer(asyncio.Protocol):
                 self.transport.close()
             return
         self.handle(events)
-        self.touch()
+        h2 = self.h2
+        if h2.wants_write or not h2.wants_read:  # its own frames to send (acks), or closing
+            self.touch()
 
     def pause_writing(self) -> None:
         self._paused = True
