@@ -87,11 +87,10 @@ class _ClassLatency:
     baseline_s: float | None = None
     samples: list[float] = field(default_factory=list)  # of the current interval
     recent_s: float | None = None  # their median, once the interval is over
-    # Dispatches still waiting for their first response: when each was dispatched.
-    pending: dict[object, float] = field(default_factory=dict)
-    # Dispatches not ended yet, answering or not; the most at once in this interval and
-    # in the last one.
-    in_flight: set[object] = field(default_factory=set)
+    # Dispatches not ended yet: when each was dispatched while it still waits for its
+    # first response, None once it answered. The most at once in this interval and in the
+    # last one.
+    in_flight: dict[object, float | None] = field(default_factory=dict)
     peak: int = 0
     recent_peak: int = 0
 
@@ -105,10 +104,10 @@ class _ClassLatency:
         # loaded that no first response comes within an interval is not "no evidence".
         if self.baseline_s is not None:
             overdue = LATENCY_TOLERANCE * self.baseline_s
-            for dispatched_at in self.pending.values():
+            for dispatched_at in self.in_flight.values():
                 if len(self.samples) >= _KEEP:
                     break
-                if now - dispatched_at > overdue:
+                if dispatched_at is not None and now - dispatched_at > overdue:
                     self.samples.append(now - dispatched_at)
         if not self.samples:
             self.recent_s = None
@@ -142,15 +141,15 @@ class WindowController:
         """A request of class `level` (0 highest), known by `key`, was dispatched."""
         stats = self._class(level)
         stats.last_at = now
-        stats.pending[key] = now
-        stats.in_flight.add(key)
+        stats.in_flight[key] = now
         stats.peak = max(stats.peak, len(stats.in_flight))
 
     def latency(self, level: int, seconds: float, now: float, key: object = None) -> None:
         """A dispatch of class `level` got its first response `seconds` after it was
         dispatched (`key`: as given to `dispatched`, if it was)."""
         stats = self._class(level)
-        stats.pending.pop(key, None)
+        if key in stats.in_flight:
+            stats.in_flight[key] = None
         stats.last_at = now
         if len(stats.samples) < _KEEP:
             stats.samples.append(seconds)
@@ -159,8 +158,7 @@ class WindowController:
         """The dispatch `key` of class `level` ended, with or without a first response."""
         stats = self._classes.get(level)
         if stats is not None:
-            stats.pending.pop(key, None)
-            stats.in_flight.discard(key)
+            stats.in_flight.pop(key, None)
 
     def _class(self, level: int) -> _ClassLatency:
         stats = self._classes.get(level)
