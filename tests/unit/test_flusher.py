@@ -1,9 +1,12 @@
 """The relay's Flusher: each dirty connection written once per pass, in the same pass when
-writing one dirties another, and a connection whose write fails closed, not forgotten."""
+writing one dirties another, a connection whose write fails closed, not forgotten, and
+work deferred with `later` run after the writes of its pass."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from qosgate.relay.peer import Flusher
 
@@ -79,3 +82,33 @@ async def test_a_connection_whose_write_fails_is_closed_and_the_others_are_still
     healthy.mark(flusher)
     await _turns(1)
     assert log[-1] == "healthy"
+
+
+async def test_deferred_callbacks_run_after_the_writes_of_their_pass_and_their_writes_too() -> None:
+    flusher = _CountingFlusher()
+    log: list[str] = []
+    downstream = _Peer("down", log)
+    upstream = _Peer("up", log)
+    for peer in (downstream, upstream):
+        peer.flusher = flusher  # type: ignore[attr-defined]
+    downstream.mark(flusher)  # a response to write
+    # The call's accounting: deferred, and it dispatches a queued call (upstream is due).
+    flusher.later(lambda who: (log.append(f"finished {who}"), upstream.mark(flusher)), "call 1")
+    flusher.later(log.append, "finished call 2")
+    await _turns(2)
+    assert log == ["down", "finished call 1", "up", "finished call 2"]
+    assert flusher.passes == 1
+
+
+async def test_a_failing_deferred_callback_is_logged_and_the_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    flusher = Flusher()
+    ran: list[str] = []
+
+    def broken(_: str) -> None:
+        raise RuntimeError("a bug")
+
+    flusher.later(broken, "x")
+    flusher.later(ran.append, "after")
+    await _turns(2)
+    assert ran == ["after"]
+    assert "deferred callback failed" in caplog.text

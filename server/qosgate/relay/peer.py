@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from qosgate.relay import http2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Pipe:
@@ -78,46 +81,63 @@ class Pipe:
 
 
 class Flusher:
-    """Writes every connection marked dirty, once, after the loop's current I/O callbacks.
+    """Writes every connection marked dirty, once, after the loop's current I/O callbacks,
+    then runs the callbacks deferred with `later`.
 
     The loop runs the callbacks of every socket that became readable, then the ones they
     scheduled: so calls that arrived together on several connections leave in one write
-    per connection, not one per event.
+    per connection, not one per event. Work deferred with `later` (a finished call's
+    accounting) runs after those writes, off the path of the bytes it follows.
     """
 
-    __slots__ = ("_dirty", "_scheduled", "_loop")
+    __slots__ = ("_dirty", "_later", "_scheduled", "_loop")
 
     def __init__(self) -> None:
         self._dirty: list[Peer] = []
+        self._later: deque[tuple[Callable[[Any], None], Any]] = deque()
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
 
     def mark(self, peer: Peer) -> None:
         self._dirty.append(peer)
+        self._schedule()
+
+    def later(self, callback: Callable[[T], None], argument: T) -> None:
+        """Run `callback(argument)` in this pass, after the writes (exceptions are logged)."""
+        self._later.append((callback, argument))
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        # Writing one connection settles pipes and so marks others: they are written in
-        # this same pass, not in another callback.
-        dirty = self._dirty
+        # Writing one connection settles pipes and so marks others, and deferred work may
+        # too: all of them are written in this same pass, not in another callback.
+        dirty, later = self._dirty, self._later
         try:
-            while dirty:
-                peer = dirty.pop()
-                peer.dirty = False
-                try:
-                    peer.write_out()
-                except Exception:
-                    # A bug, not the peer's doing: its calls fail (the connection closes)
-                    # rather than wait forever on a connection nobody writes.
-                    log.exception("relay: writing to a connection failed; closing it")
-                    peer.abort()
+            while dirty or later:
+                while dirty:
+                    peer = dirty.pop()
+                    peer.dirty = False
+                    try:
+                        peer.write_out()
+                    except Exception:
+                        # A bug, not the peer's doing: its calls fail (the connection
+                        # closes) rather than wait forever on a connection nobody writes.
+                        log.exception("relay: writing to a connection failed; closing it")
+                        peer.abort()
+                while later and not dirty:
+                    callback, argument = later.popleft()
+                    try:
+                        callback(argument)
+                    except Exception:
+                        log.exception("relay: a deferred callback failed")
         finally:
             self._scheduled = False
-            if dirty:  # left by an exception that is not a bug of ours (the loop stops)
-                self._scheduled = True
-                self._loop.call_soon(self.flush)
+            if dirty or later:  # left by an exception that is not a bug of ours (the loop stops)
+                self._schedule()
 
 
 class Peer(asyncio.Protocol):

@@ -72,6 +72,7 @@ class Forward:
 
     set_headers: Sequence[Header] = ()  # replace headers of the same name, or add
     append: bytes = b""  # appended to the first message (protobuf merges it)
+    # Called once when the call ends, right after the relay has written what ended it.
     on_finish: Callable[[CallEnd], None] | None = None
     upstream: UpstreamPool | None = None  # where to; None: the route's pool
     # Asked when the upstream fails the call UNAVAILABLE (or drops it) before any response,

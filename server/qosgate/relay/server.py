@@ -452,13 +452,12 @@ class Call:
         self.report(status, reset_code)
 
     def report(self, status: int | None, reset_code: int | None) -> None:
+        """Tell the policy how the call ended, once what ended it has been written."""
         decision, self.on_finish = self.on_finish, None
         if decision is None or decision.on_finish is None:
             return
-        try:
-            decision.on_finish(CallEnd(status, reset_code, self.requests.count, self.responses.count))
-        except Exception:
-            log.exception("relay on_finish callback failed")
+        end = CallEnd(status, reset_code, self.requests.count, self.responses.count)
+        self.down.relay.flusher.later(decision.on_finish, end)
 
 
 class DownstreamConnection(Peer):
