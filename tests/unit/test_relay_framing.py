@@ -100,6 +100,15 @@ def test_status_headers_encode_message_and_details() -> None:
     assert percent_encode("plain text") == b"plain text"
 
 
+def test_percent_encoding_escapes_exactly_the_bytes_outside_printable_ascii_and_percent() -> None:
+    for code in range(0x80):
+        plain = 0x20 <= code <= 0x7E and code != 0x25
+        expected = bytes([code]) if plain else b"%%%02X" % code
+        assert percent_encode(f"a{chr(code)}b") == b"a" + expected + b"b", hex(code)
+    assert percent_encode("quota: tenant:a (burst 1) exceeded") == b"quota: tenant:a (burst 1) exceeded"
+    assert percent_encode("\u00e9\U0001f600") == b"%C3%A9%F0%9F%98%80"
+
+
 def test_long_messages_are_cut_short_and_never_inside_an_escape() -> None:
     # Triton quotes request values (a model name of 10 kB) in its errors; a client refuses
     # trailers over 8 KiB, so an upstream's grpc-message reaches the caller cut short.

@@ -10,6 +10,7 @@ may answer at once or return an awaitable (admission and scheduling wait).
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -103,6 +104,8 @@ class CallPolicy(Protocol):
 # A gRPC client refuses response metadata over 8 KiB (its default limit), and Triton quotes
 # request values in its error messages, so a grpc-message is cut to this many bytes.
 MAX_MESSAGE_BYTES = 1024
+# A byte that grpc-message carries as %XX: outside printable ASCII, or '%' itself.
+_NEEDS_ESCAPE = re.compile(rb"[^\x20-\x24\x26-\x7e]")
 
 
 def status_headers(refusal: Refuse) -> list[Header]:
@@ -118,8 +121,11 @@ def status_headers(refusal: Refuse) -> list[Header]:
 
 def percent_encode(message: str) -> bytes:
     """grpc-message's encoding: printable ASCII except '%' as is, every other byte %XX."""
+    raw = message.encode("utf-8")
+    if _NEEDS_ESCAPE.search(raw) is None:  # the usual message: nothing to escape
+        return raw
     out = bytearray()
-    for byte in message.encode("utf-8"):
+    for byte in raw:
         if 0x20 <= byte <= 0x7E and byte != 0x25:
             out.append(byte)
         else:
