@@ -138,6 +138,7 @@ class CallScope:
         "_actual_tokens",
         "_closed",
         "_responded",
+        "_traced",
         "deadline",
         "labels",
         "span",
@@ -152,6 +153,8 @@ class CallScope:
         self.labels = labels
         self.tenant = tenant
         self.span = plane.tracing.call_span(labels.rpc, tenant.name, labels.model, headers)
+        # With tracing off, no span work at all (a caller's context still goes upstream).
+        self._traced = plane.tracing.enabled
         self.deadline: float | None = None
         self.timeout_s: float | None = None
         self._budget_reservation: BudgetReservation | None = None
@@ -178,7 +181,8 @@ class CallScope:
         plane, tenant, labels = self._plane, self.tenant, self.labels
         plane.directory.require_model(tenant, labels.model)
         klass = labels.klass = plane.directory.resolve_class(tenant, priority_class or None)
-        self.span.set_attribute("qosgate.class", klass)
+        if self._traced:
+            self.span.set_attribute("qosgate.class", klass)
         if cost.tokens:
             reservation = await plane.budget.reserve(tenant, cost.tokens)
             if isinstance(reservation, Refused):
@@ -192,11 +196,12 @@ class CallScope:
         slot = plane.scheduler.slot(
             tenant=tenant, klass=klass, model=labels.model, deadline=deadline, cost=cost.fair_share, tokens=cost.tokens
         )
-        queued = plane.tracing.child(self.span, "queue")
+        queued = plane.tracing.child(self.span, "queue") if self._traced else None
         try:
             dispatch = await slot.__aenter__()
         finally:
-            queued.end()
+            if queued is not None:
+                queued.end()
         self._slot, self._dispatch = slot, dispatch
         plane.metrics.queue_wait(klass, tenant.name, dispatch.queue_wait_s)
         if deadline is not None:
@@ -223,8 +228,10 @@ class CallScope:
     def upstream_started(self, upstream: str) -> None:
         self._upstream = upstream
         self._upstream_started = time.perf_counter()
-        self._upstream_span = self._plane.tracing.child(self.span, "upstream", {"qosgate.upstream": upstream})
-        self._first_token_span = self._plane.tracing.child(self.span, "first_token")
+        if self._traced:
+            tracing = self._plane.tracing
+            self._upstream_span = tracing.child(self.span, "upstream", {"qosgate.upstream": upstream})
+            self._first_token_span = tracing.child(self.span, "first_token")
 
     def upstream_finished(self) -> None:
         started, self._upstream_started = self._upstream_started, None
@@ -236,6 +243,8 @@ class CallScope:
         self._first_token_span = self._upstream_span = None
 
     def upstream_headers(self) -> Sequence[tuple[str, str]]:
+        if self.span is trace.INVALID_SPAN:  # tracing off, and the caller sent no context
+            return ()
         upstream_span = self._upstream_span
         return self._plane.tracing.headers(upstream_span if upstream_span is not None else self.span, self.span)
 
@@ -300,5 +309,6 @@ class CallScope:
             if isinstance(error, GatewayError):
                 plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
             plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, code)
-            plane.tracing.end_call(self.span, code, error)
+            if self._traced:
+                plane.tracing.end_call(self.span, code, error)
 

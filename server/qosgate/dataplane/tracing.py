@@ -34,6 +34,11 @@ class Tracing:
         self._provider = provider
         self._tracer = (provider or trace.NoOpTracerProvider()).get_tracer("qosgate")
 
+    @property
+    def enabled(self) -> bool:
+        """Whether spans are made (an exporter is configured)."""
+        return self._provider is not None
+
     @classmethod
     def from_config(cls, config: TracingConfig) -> Tracing:
         """An OTLP/gRPC exporting provider when `otlp_endpoint` is set, else no-op."""
