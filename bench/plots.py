@@ -37,4 +37,5 @@ def save(fig: Any, path: pathlib.Path) -> None:
 
 
 # One colour per target in every plot, so panels read together.
-COLORS = {"direct": "tab:blue", "nginx": "tab:orange", "qosgate": "tab:green", "qosgate HTTP": "tab:purple"}
+COLORS = {"direct": "tab:blue", "nginx": "tab:orange", "relay alone": "tab:gray", "qosgate": "tab:green",
+          "qosgate HTTP": "tab:purple"}

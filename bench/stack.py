@@ -206,6 +206,7 @@ class Stack:
         self.replicas: list[LocalTriton] = []
         self.nginx: GroupProcess | None = None
         self.gateway: GroupProcess | None = None
+        self.relay_alone: GroupProcess | None = None
         self.nginx_url = ""
         self.gateway_url = ""
         self.gateway_openai_url = ""
@@ -274,6 +275,19 @@ class Stack:
         wait_for_port(port, self.nginx.proc, "nginx")
         self.nginx_url = f"{LOOPBACK}:{port}"
         return self.nginx_url
+
+    def start_relay_alone(self) -> str:
+        """The gateway's relay with no policy in front of Triton (bench/relay_alone.py);
+        returns its gRPC target."""
+        port = free_port()
+        self.relay_alone = GroupProcess(
+            "relay alone",
+            [sys.executable, "-m", "bench.relay_alone", "--upstream", self.triton_url, "--listen", f"{LOOPBACK}:{port}"],
+            self.dir / "relay-alone.log",
+        )
+        self._exit.callback(self.relay_alone.stop)
+        wait_for_port(port, self.relay_alone.proc, "relay alone")
+        return f"{LOOPBACK}:{port}"
 
     def start_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
                       models: Mapping[str, Mapping[str, Any]] | None = None,

@@ -1,5 +1,6 @@
 """overhead: what one hop costs. perf_analyzer on the identity model at several
-concurrencies, straight at Triton, through nginx grpc_pass, and through qosgate (its
+concurrencies, straight at Triton, through nginx grpc_pass, through qosgate's relay alone
+(no policy: the floor of its data path, bench/relay_alone.py) and through qosgate (its
 relay serves ModelInfer); then `--streaming` (ModelStreamInfer, one stream per perf_analyzer
 context) at the top concurrency on each path.
 
@@ -98,6 +99,7 @@ def run(ctx: RunContext) -> ScenarioResult:
         targets: list[tuple[str, str, GroupProcess | None]] = [
             ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
         if gateway_available():
+            targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
             url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
             targets.append(("qosgate", url, stack.gateway))
         else:
@@ -138,22 +140,39 @@ def summarise(samples: list[tuple[int, Sample]], levels: list[int]
     if (low, "qosgate") not in by:
         figures.append(Figure("qosgate throughput / nginx", None, "%", Aim(">=", 80.0)))
         return figures, {"perf_analyzer": rows}
+
+    def alone(c: int, what: Callable[[Sample], str]) -> str:
+        """The relay-alone figure at concurrency `c`, as a reference's tail ("" if not run)."""
+        sample = by.get((c, "relay alone"))
+        return "" if sample is None else f", relay alone {what(sample)}"
+
+    def throughput(s: Sample) -> str:
+        return f"{s.point.throughput:,.0f}"
+
+    def cpu(s: Sample) -> str:
+        return f"{s.cpu_us_per_request or 0:.0f} us"
+
+    direct_p50 = by[(low, "direct")].point.p50_us
+
+    def p50_added(s: Sample) -> str:
+        return f"adds {(s.point.p50_us - direct_p50) / 1e3:.3f} ms"
+
     for c in levels:
         q, n, d = by[(c, "qosgate")], by[(c, "nginx")], by[(c, "direct")]
         figures.append(Figure(
             f"qosgate throughput / nginx, concurrency {c}", 100 * q.point.throughput / n.point.throughput, "%",
             Aim(">=", 80.0),
-            reference=f"qosgate {q.point.throughput:,.0f}, nginx {n.point.throughput:,.0f}, "
-                      f"direct {d.point.throughput:,.0f} infer/s"))
+            reference=f"qosgate {throughput(q)}, nginx {throughput(n)}, direct {throughput(d)}"
+                      f"{alone(c, throughput)} infer/s"))
     top = levels[-1]
     gw_cpu = by[(top, "qosgate")].cpu_us_per_request or 0.0
     figures.append(Figure(
         f"qosgate CPU per request, concurrency {top}", gw_cpu, "us", Aim("<=", 100.0),
-        reference=f"nginx {by[(top, 'nginx')].cpu_us_per_request or 0:.0f} us"))
-    added = (by[(low, "qosgate")].point.p50_us - by[(low, "direct")].point.p50_us) / 1e3
+        reference=f"nginx {cpu(by[(top, 'nginx')])}{alone(top, cpu)}"))
+    added = (by[(low, "qosgate")].point.p50_us - direct_p50) / 1e3
     figures.append(Figure(
         f"qosgate p50 added latency, concurrency {low}", added, "ms", Aim("<=", 0.3),
-        reference=f"nginx adds {nginx_added:.3f} ms"))
+        reference=f"nginx adds {nginx_added:.3f} ms{alone(low, p50_added)}"))
     if {"qosgate", "nginx", "direct"} <= streams.keys():
         q, n, d = streams["qosgate"], streams["nginx"], streams["direct"]
         figures.append(Figure(
@@ -169,7 +188,7 @@ def summarise(samples: list[tuple[int, Sample]], levels: list[int]
 
 def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
     fig, (thr, lat, cpu) = plots.panels(3)
-    targets = sorted({s.target for _, s in samples}, key=["direct", "nginx", "qosgate"].index)
+    targets = sorted({s.target for _, s in samples}, key=["direct", "nginx", "relay alone", "qosgate"].index)
     metric: dict[str, Callable[[Sample], float | None]] = {
         "p50": lambda s: s.point.p50_us / 1e3, "p99": lambda s: s.point.p99_us / 1e3}
     for target in targets:
