@@ -427,11 +427,17 @@ def test_slow_reader_is_bounded_and_slows_only_itself(relay) -> None:
 @pytest.mark.parametrize("mode", [(), ("--async",), ("--streaming",)], ids=["sync", "async", "streaming"])
 def test_perf_analyzer(relay, policy, mode) -> None:
     assert PERF_ANALYZER.exists(), f"perf_analyzer missing at {PERF_ANALYZER}: run `make tools`"
-    before = len(policy.ends)
+    before, heads_before = len(policy.ends), len(policy.heads)
     run = perf_analyzer(relay, "-m", MODEL, "--shape=INPUT0:16", "--concurrency-range=4", *mode)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Throughput:" in run.stdout
+    # A call's end is recorded once the bytes that ended it are written (and, for a stream,
+    # once the relay reads perf_analyzer's reset), which may be after perf_analyzer exits.
+    deadline = time.monotonic() + 10
+    while len(policy.ends) - before < len(policy.heads) - heads_before and time.monotonic() < deadline:
+        time.sleep(0.02)
     ends = policy.ends[before:]
+    assert len(ends) == len(policy.heads) - heads_before, "calls that never ended"
     if mode == ("--streaming",):
         # One call per stream, many requests each, answered (at most the 4 in flight at
         # the end missing); perf_analyzer cancels its streams when done (RST_STREAM CANCEL).
