@@ -48,13 +48,15 @@ class Tenant:
     limits: LimitsConfig
     # One compiled alternation of all patterns: one regex match per request, not one per pattern.
     _models_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _any_model: bool = field(init=False, repr=False, compare=False)  # "*" (the default): no match to run
 
     def __post_init__(self) -> None:
         alternation = "|".join(f"(?:{fnmatch.translate(p)})" for p in self.models) or "(?!)"
         object.__setattr__(self, "_models_re", re.compile(alternation))
+        object.__setattr__(self, "_any_model", "*" in self.models)
 
     def allows_model(self, name: str) -> bool:
-        return self._models_re.match(name) is not None
+        return self._any_model or self._models_re.match(name) is not None
 
 
 class TenantDirectory:

@@ -24,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from qosgate.config import TracingConfig
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-TRACEPARENT = "traceparent"
+TRACEPARENT, TRACESTATE = "traceparent", "tracestate"  # the W3C trace context headers
 
 
 class Tracing:

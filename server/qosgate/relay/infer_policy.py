@@ -22,8 +22,10 @@ import grpc
 from google.rpc import code_pb2
 
 from qosgate import errors
+from qosgate.auth import API_KEY, AUTHORIZATION
 from qosgate.config import GatewayConfig
 from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
+from qosgate.dataplane.tracing import TRACEPARENT, TRACESTATE
 from qosgate.eager import run_eagerly
 from qosgate.memory import HeapTrimmer
 from qosgate.relay import upstream as relay_upstream
@@ -34,6 +36,8 @@ from qosgate.services.kserve import PRIORITY_HEADER, dispatch_fragment, peek_inf
 from qosgate.upstream import Upstream, UpstreamPool
 
 RPC = "ModelInfer"
+# The headers the policy reads: credentials, priority class, the caller's trace context.
+_READ = frozenset(name.encode() for name in (AUTHORIZATION, API_KEY, PRIORITY_HEADER, TRACEPARENT, TRACESTATE))
 T = TypeVar("T")
 # gRPC status code -> its name (the `code` metric label); an upstream's out-of-range code is UNKNOWN.
 _CODE_NAMES = {value: name for name, value in code_pb2.Code.items()}
@@ -71,11 +75,8 @@ class InferAdmissionPolicy:
         return asyncio.ensure_future(coro)
 
     async def _decide(self, head: CallHead) -> Decision:
-        metadata = [
-            (key.decode("latin-1"), value.decode("latin-1"))
-            for key, value in head.headers
-            if not key.startswith(b":") and not key.endswith(b"-bin")
-        ]
+        # Only the headers the policy reads are decoded; the rest go to Triton as they came.
+        metadata = [(key.decode("latin-1"), value.decode("latin-1")) for key, value in head.headers if key in _READ]
         headers = dict(metadata)
         try:
             tenant = self._plane.directory.identify(metadata, head.certificate)
@@ -110,7 +111,8 @@ class InferAdmissionPolicy:
         # Under prefix_affinity a KServe call is keyed by its session header only: the
         # gateway does not read tensors.
         header = self._pool.session_header(model)
-        session = headers.get(header) if header else None
+        value = head.header(header.encode("latin-1")) if header else None
+        session = value.decode("latin-1") if value is not None else None
         key = self._pool.key(model, session=session) if session else None
         fragment = dispatch_fragment(dispatch.priority_level, scope.timeout_s)
         call = _RoutedCall(self._pool, self._pool.pick(model, key=key), model, key, scope)

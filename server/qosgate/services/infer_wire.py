@@ -292,12 +292,16 @@ def _parsed_head(buf: bytes) -> InferRequestHead:
         request = service_pb2.ModelInferRequest.FromString(buf)
     except DecodeError as e:
         raise WireError(str(e)) from None
-    head = InferRequestHead(model_name=request.model_name, id=request.id)
-    if EMPTY_FINAL_PARAM in request.parameters:
-        param = request.parameters[EMPTY_FINAL_PARAM]
+    head = InferRequestHead(request.model_name, request.id)
+    parameters = request.parameters
+    if parameters and EMPTY_FINAL_PARAM in parameters:
+        param = parameters[EMPTY_FINAL_PARAM]
         head.wants_empty_final = param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
-    if request.inputs and request.inputs[0].shape:
-        head.rows = request.inputs[0].shape[0] % (1 << 64)  # as the walk reads it: unsigned
+    inputs = request.inputs
+    if inputs:
+        shape = inputs[0].shape
+        if shape:
+            head.rows = shape[0] % (1 << 64)  # as the walk reads it: unsigned
     return head
 
 
