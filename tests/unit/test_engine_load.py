@@ -51,3 +51,19 @@ def test_nvidia_vllm_backend() -> None:
 
 def test_nvidia_tensorrt_llm_backend() -> None:
     assert parse_engine_load(TRTLLM)["tensorrt_llm"] == EngineLoad(waiting=2, kv_cache_usage=0.75)
+
+
+def test_engine_samples_amid_a_large_page_of_other_families() -> None:
+    others = "".join(
+        f"# HELP nv_inference_request_duration_us Cumulative inference request duration\n"
+        f"# TYPE nv_inference_request_duration_us counter\n"
+        f'nv_inference_request_duration_us{{model="m{i}",version="1"}} {i}\n'
+        for i in range(500)
+    )
+    loads = parse_engine_load(others + OURS + NVIDIA_VLLM + others)
+    assert loads == {
+        "smollm2": EngineLoad(waiting=3, kv_cache_usage=0.42),
+        "llama": EngineLoad(waiting=5, kv_cache_usage=0.93),
+    }
+    # Not a metrics page at all (a proxy's error page): no reading, no exception.
+    assert parse_engine_load("<html><body>502 Bad Gateway</body></html>\n") == {}

@@ -49,13 +49,20 @@ class _Reading:
 
 
 def parse_engine_load(text: str) -> dict[str, EngineLoad]:
-    """The engine load per model named in one Prometheus text exposition."""
+    """The engine load per model named in one Prometheus text exposition.
+
+    Only the engines' sample lines go to the parser: the rest of the page (Triton's own
+    families for every model, and HELP and TYPE lines, which change no sample's name) is
+    passed over by prefix. The parser is pure Python and runs on the event loop every
+    poll, and a GPU server's page holds hundreds of lines that say nothing here.
+    """
+    engine_lines = "\n".join(line for line in text.splitlines() if line.startswith(_ENGINE_PREFIXES))
     readings: dict[str, _Reading] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(engine_lines):
         for sample in family.samples:
             model = sample.labels.get("model")
             name = sample.name
-            if model is None or not name.startswith(_ENGINE_PREFIXES):
+            if model is None:
                 continue
             reading = readings.setdefault(model, _Reading())
             if name in _WAITING:
