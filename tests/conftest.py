@@ -8,17 +8,38 @@ local CPU stack serves), once per session, on free ports (see `free_port`).
 
 from __future__ import annotations
 
+import ast
 import os
 import random
 import socket
+import threading
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 
 from qosgate.launcher import LocalTriton, TritonPorts
 
 from tests.postgres_server import PostgresServer
+
+# CPython 3.11 keeps one AST-building depth counter per interpreter (python/cpython#106905):
+# two threads parsing at once, when a garbage collection in one runs Python finalizers and
+# the other gets the GIL, fail with "SystemError: AST constructor recursion depth mismatch".
+# Tests run gateways in threads of this process, and both pytest (rendering a failure) and
+# `traceback` (a gateway thread logging an exception: its carets parse source) parse with
+# `ast.parse`; one such collision turned a test failure into a pytest INTERNALERROR that
+# hid which test failed and why. So one thread parses at a time.
+_ast_parse = ast.parse
+_ast_lock = threading.RLock()
+
+
+def _parse_alone(*args: Any, **kwargs: Any) -> Any:
+    with _ast_lock:
+        return _ast_parse(*args, **kwargs)
+
+
+ast.parse = _parse_alone  # type: ignore[assignment]
 
 DEFAULT_TEST_MODELS = "smollm2,smollm2_trtllm,minilm,identity"
 
