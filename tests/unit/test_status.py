@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from qosgate import errors
@@ -142,3 +144,33 @@ def test_internal_errors_are_logged_in_full_only_up_to_the_budget(
     assert burst(5) == []
     clock.advance(0.1)  # a new window
     assert [bool(r.exc_info) for r in burst(3)] == [True, True, True]
+
+
+def _runtime_status(code: int, message: str, retry_after: float | None, violations: tuple[errors.QuotaViolation, ...]) -> bytes:
+    """The Status as the protobuf runtime builds and serializes it, message by message."""
+    rich = status_pb2.Status(code=code, message=message)
+    if retry_after is not None:
+        micros = math.ceil(retry_after * 1_000_000)
+        delay = duration_pb2.Duration(seconds=micros // 1_000_000, nanos=micros % 1_000_000 * 1000)
+        rich.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    if violations:
+        failure = error_details_pb2.QuotaFailure()
+        for v in violations:
+            failure.violations.add(subject=v.subject, description=v.description)
+        rich.details.add().Pack(failure)
+    return rich.SerializeToString()
+
+
+@pytest.mark.parametrize("retry_after", [0.0, 0.0000015, 0.25, 1.0, 59.999999, 3600.5, 86400 * 400])
+def test_status_bytes_are_the_protobuf_runtimes_own(retry_after: float) -> None:
+    one = (errors.QuotaViolation("tenant:acme", "requests_per_second limit 50 (burst 50) exceeded"),)
+    two = (*one, errors.QuotaViolation("tenant:acme", "max_concurrent limit 4 reached"))
+    for violations in (one, two):
+        for _ in range(2):  # built, then from the cache
+            error = errors.QuotaExceeded("quota exceeded: é " + "x" * 200, retry_after, violations)
+            code, message, details = status.status_bytes(error)
+            assert (code, message) == (8, error.message)
+            assert details == _runtime_status(8, error.message, retry_after, violations)
+    shed = errors.Unavailable("shed", retry_after_s=retry_after)
+    assert status.status_bytes(shed)[2] == _runtime_status(14, "shed", retry_after, ())
+    assert status.status_bytes(errors.NotFound("no model"))[2] == _runtime_status(5, "no model", None, ())

@@ -177,5 +177,5 @@ class _RoutedCall:
 
 
 def _refusal(error: BaseException) -> Refuse:
-    rich = status.to_rich_status(error)
-    return Refuse(rich.code, rich.message, details=rich.SerializeToString())
+    code, message, details = status.status_bytes(error)
+    return Refuse(code, message, details=details)

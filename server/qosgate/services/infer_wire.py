@@ -357,8 +357,13 @@ def peek_stream_response(buf: bytes) -> StreamResponseHead:
     return head
 
 
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
     # Only non-negative values are ever encoded here (levels, lengths, microseconds).
+    if value < 0x80:  # tags and most lengths: one byte
+        return _ONE_BYTE[value]
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -367,25 +372,27 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _len_field(number: int, payload: bytes) -> bytes:
+def len_field(number: int, payload: bytes) -> bytes:
+    """Field `number` of a message: length-delimited `payload` (bytes, string, message)."""
     return _varint((number << 3) | _LEN) + _varint(len(payload)) + payload
 
 
-def _varint_field(number: int, value: int) -> bytes:
+def varint_field(number: int, value: int) -> bytes:
+    """Field `number` of a message: a non-negative integer as a varint."""
     return _varint((number << 3) | _VARINT) + _varint(value)
 
 
 def _parameter(key: str, param_number: int, value: int) -> bytes:
-    entry = _len_field(_KEY, key.encode()) + _len_field(_VALUE, _varint_field(param_number, value))
-    return _len_field(_PARAMETERS, entry)
+    entry = len_field(_KEY, key.encode()) + len_field(_VALUE, varint_field(param_number, value))
+    return len_field(_PARAMETERS, entry)
 
 
 # Precomputed per level: the scheduler hands out a handful of levels, so the hot path
 # only concatenates bytes.
 _PRIORITY_FRAGMENTS = {level: _parameter("priority", _UINT64_PARAM, level) for level in range(16)}
-_EMPTY_FINAL_FRAGMENT = _len_field(
+_EMPTY_FINAL_FRAGMENT = len_field(
     _PARAMETERS,
-    _len_field(_KEY, EMPTY_FINAL_PARAM.encode()) + _len_field(_VALUE, _varint_field(_BOOL_PARAM, 1)),
+    len_field(_KEY, EMPTY_FINAL_PARAM.encode()) + len_field(_VALUE, varint_field(_BOOL_PARAM, 1)),
 )
 
 
@@ -407,9 +414,9 @@ def empty_final_fragment() -> bytes:
 
 def id_fragment(request_id: str) -> bytes:
     """Replaces a ModelInferRequest's id (top-level field 3)."""
-    return _len_field(_ID, request_id.encode())
+    return len_field(_ID, request_id.encode())
 
 
 def stream_response_id_fragment(request_id: str) -> bytes:
     """Replaces the id inside a ModelStreamInferResponse's infer_response (merged)."""
-    return _len_field(_STREAM_INFER_RESPONSE, _len_field(_ID, request_id.encode()))
+    return len_field(_STREAM_INFER_RESPONSE, len_field(_ID, request_id.encode()))

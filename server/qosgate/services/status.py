@@ -11,18 +11,20 @@ the caller does see, so an operator can find it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
+from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from qosgate import error_table, errors
 from qosgate.clock import Clock, MonotonicClock
+from qosgate.services.infer_wire import len_field, varint_field
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +84,36 @@ def row_of(error: BaseException) -> StatusRow:
     return _INTERNAL_ROW
 
 
-def _retry_delay(seconds: float) -> duration_pb2.Duration:
+# google.rpc.Status.details, Any's fields, RetryInfo.retry_delay, Duration's fields.
+_DETAILS = 3
+_TYPE_URL, _VALUE = 1, 2
+_RETRY_DELAY = 1
+_SECONDS, _NANOS = 1, 2
+_RETRY_INFO_TYPE_URL = len_field(_TYPE_URL, b"type.googleapis.com/" + error_details_pb2.RetryInfo.DESCRIPTOR.full_name.encode())
+
+
+def _retry_info_detail(seconds: float) -> bytes:
+    """A Status's details entry: Any(RetryInfo(retry_delay=`seconds`)), encoded directly
+    (it differs in every refusal; the protobuf runtime would build three messages for it)."""
     # Round up: retrying a little late succeeds, retrying early is refused again.
-    micros = max(0, math.ceil(seconds * 1_000_000))
-    return duration_pb2.Duration(seconds=micros // 1_000_000, nanos=(micros % 1_000_000) * 1000)
+    whole, micros = divmod(max(0, math.ceil(seconds * 1_000_000)), 1_000_000)
+    delay = (varint_field(_SECONDS, whole) if whole else b"") + (varint_field(_NANOS, micros * 1000) if micros else b"")
+    return len_field(_DETAILS, _RETRY_INFO_TYPE_URL + len_field(_VALUE, len_field(_RETRY_DELAY, delay)))
 
 
-def _packed(message: object) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)  # type: ignore[arg-type]
-    return packed
+@functools.lru_cache(maxsize=1024)
+def _fixed_parts(code: int, message: str, violations: tuple[errors.QuotaViolation, ...] | None) -> tuple[bytes, bytes]:
+    """The serialized Status fields that repeat from one refusal to the next: code and
+    message (fields 1, 2), and the QuotaFailure details entry (empty without violations)."""
+    head = status_pb2.Status(code=code, message=message).SerializeToString()
+    if violations is None:
+        return head, b""
+    failure = error_details_pb2.QuotaFailure(
+        violations=[error_details_pb2.QuotaFailure.Violation(subject=v.subject, description=v.description) for v in violations]
+    )
+    detail = any_pb2.Any()
+    detail.Pack(failure)
+    return head, status_pb2.Status(details=[detail]).SerializeToString()
 
 
 def public_message(error: BaseException, row: StatusRow) -> str:
@@ -117,22 +139,26 @@ def bounded(message: str) -> str:
     return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
+def status_bytes(error: BaseException) -> tuple[int, str, bytes]:
+    """`error`'s code, public message, and google.rpc.Status serialized (details: RetryInfo
+    when it says when to retry, then QuotaFailure for a quota). Fields are written in number
+    order, so the bytes are the protobuf runtime's own; the parts that repeat are cached, so a
+    tenant retrying a refused call in a loop costs little to answer."""
+    row = row_of(error)
+    code = row.code.value[0]
+    message = public_message(error, row)
+    violations = error.violations if isinstance(error, errors.QuotaExceeded) else None
+    # An INTERNAL message names its incident: it never repeats, so it is not cached.
+    fixed = _fixed_parts.__wrapped__ if row is _INTERNAL_ROW else _fixed_parts
+    head, quota = fixed(code, message, violations)
+    retry_after = getattr(error, "retry_after_s", None)
+    retry = b"" if retry_after is None else _retry_info_detail(retry_after)
+    return code, message, head + retry + quota
+
+
 def to_rich_status(error: BaseException) -> status_pb2.Status:
     """The google.rpc.Status for `error`, details included."""
-    row = row_of(error)
-    status = status_pb2.Status(code=row.code.value[0], message=public_message(error, row))
-    retry_after = getattr(error, "retry_after_s", None)
-    if retry_after is not None:
-        status.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=_retry_delay(retry_after))))
-    if isinstance(error, errors.QuotaExceeded):
-        failure = error_details_pb2.QuotaFailure(
-            violations=[
-                error_details_pb2.QuotaFailure.Violation(subject=v.subject, description=v.description)
-                for v in error.violations
-            ]
-        )
-        status.details.append(_packed(failure))
-    return status
+    return status_pb2.Status.FromString(status_bytes(error)[2])
 
 
 def to_status(error: BaseException) -> grpc.Status:
