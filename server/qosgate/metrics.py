@@ -1,9 +1,13 @@
 """Prometheus metrics of the gateway, served on their own HTTP port (default 127.0.0.1:9464).
 
-Label children are cached per label tuple: prometheus_client's `labels()` takes a lock and
-builds a key on every call, which the hot path does not need to pay twice per request.
-Queue depth, in-flight counts and upstream liveness are not counted by the edge: they are
-read from their owners at scrape time, so they cannot drift from the real state.
+Counters and histograms keep their values in plain dicts keyed by label tuple, turned into
+metric families when Prometheus scrapes: every call updates several of them, and
+prometheus_client's own (a lock and a few Python calls per increment, a loop over the
+buckets per observation) cost more than the rest of a call's accounting. Updates come from
+the event loop's thread only; the scrape thread copies a dict in one step (atomic under the
+GIL) and reads the copies. Queue depth, in-flight counts and upstream liveness are not
+counted by the edge: they are read from their owners at scrape time, so they cannot drift
+from the real state.
 
 Label sets are bounded: tenants, classes, codes and upstreams come from the config, and a
 model name becomes a label only once it is known to exist (named in the config's
@@ -14,13 +18,15 @@ callers cannot grow the label sets, and the memory they take, without bound.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from qosgate.scheduler.core import SchedulerSnapshot
 
@@ -101,6 +107,68 @@ class _ScrapeTimeCollector(Collector):
         yield from (depth, in_flight, window, served, live)
 
 
+class _Counter:
+    """A counter family: a value per label tuple."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labels = labels
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self._values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for labels, value in list(self._values.items()):
+            family.add_metric(labels, value)
+        return family
+
+
+class _Histogram:
+    """A histogram family: per label tuple, the count in each bucket (not cumulative; the
+    last one is +Inf) and the sum."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labels = labels
+        self._bounds = buckets
+        self._les = [*(floatToGoString(b) for b in buckets), "+Inf"]
+        self._values: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        counts = self._values.get(labels)
+        if counts is None:
+            counts = self._values[labels] = [0.0] * (len(self._bounds) + 2)
+        # A bucket counts the values at most its bound (`le`).
+        counts[bisect.bisect_left(self._bounds, value)] += 1
+        counts[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
+        for labels, counts in list(self._values.items()):
+            counts = list(counts)
+            cumulative, buckets = 0.0, []
+            for le, count in zip(self._les, counts[:-1]):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(labels, buckets, counts[-1])
+        return family
+
+
+class _Families(Collector):
+    """Collects the counters and histograms above at scrape time."""
+
+    def __init__(self, families: Iterable[_Counter | _Histogram]) -> None:
+        self._families = tuple(families)
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
+        return [f.family() for f in self._families]
+
+
 class GatewayMetrics:
     """The gateway's counters and histograms, in a registry of their own."""
 
@@ -110,62 +178,60 @@ class GatewayMetrics:
         """`known_models`: model names that are labels from the start (the config's `models`)."""
         self.registry = registry or CollectorRegistry()
         self._known_models = set(known_models)
-        self._requests = Counter(
+        self._requests = _Counter(
             "qosgate_requests",
             "Requests finished, by model, tenant, class and gRPC status code",
             ("rpc", "model", "tenant", "class", "code"),
-            registry=self.registry,
         )
-        self._rejections = Counter(
+        self._rejections = _Counter(
             "qosgate_rejections",
             "Requests the gateway refused itself, by reason (quota, unavailable, deadline, ...)",
             ("reason", "tenant", "class"),
-            registry=self.registry,
         )
-        self._queue_wait = Histogram(
+        self._queue_wait = _Histogram(
             "qosgate_queue_wait_seconds",
             "Time a request waited in the gateway's scheduler before dispatch",
             ("class", "tenant"),
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self._upstream_latency = Histogram(
+        self._upstream_latency = _Histogram(
             "qosgate_upstream_latency_seconds",
             "Time from dispatch to Triton until its (last) response",
             ("upstream", "model"),
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self._routed = Counter(
+        self._routed = _Counter(
             "qosgate_routed",
             "Calls sent to an upstream, by model, upstream and how it was chosen (least_loaded; "
             "prefix_affinity: affinity, spilled past the load bound, fallback to least loaded)",
             ("model", "upstream", "outcome"),
-            registry=self.registry,
         )
-        self._failovers = Counter(
+        self._failovers = _Counter(
             "qosgate_failovers",
             "Calls whose upstream failed before any response (UNAVAILABLE, connection lost), "
             "by model, the upstream that failed and the result: retried on another upstream, "
             "or no_other_upstream (answered UNAVAILABLE)",
             ("model", "upstream", "result"),
-            registry=self.registry,
         )
-        self._tokens = Counter(
+        self._tokens = _Counter(
             "qosgate_tokens",
             "LLM tokens the engines counted for finished generations, by model, tenant and "
             "kind (prompt, completion)",
             ("model", "tenant", "kind"),
-            registry=self.registry,
         )
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self.registry.register(
+            _Families(
+                (
+                    self._requests,
+                    self._rejections,
+                    self._queue_wait,
+                    self._upstream_latency,
+                    self._routed,
+                    self._failovers,
+                    self._tokens,
+                )
+            )
+        )
 
     def watch(
         self,
@@ -186,27 +252,27 @@ class GatewayMetrics:
     def request_done(self, rpc: str, model: str, tenant: str, klass: str, code: str) -> None:
         if code == "OK":
             self.model_served(model)
-        self._child(self._requests, (rpc, self.model_label(model), tenant, klass, code)).inc()
+        self._requests.inc((rpc, self.model_label(model), tenant, klass, code))
 
     def rejected(self, reason: str, tenant: str, klass: str) -> None:
-        self._child(self._rejections, (reason, tenant, klass)).inc()
+        self._rejections.inc((reason, tenant, klass))
 
     def queue_wait(self, klass: str, tenant: str, seconds: float) -> None:
-        self._child(self._queue_wait, (klass, tenant)).observe(seconds)
+        self._queue_wait.observe((klass, tenant), seconds)
 
     def upstream_latency(self, upstream: str, model: str, seconds: float) -> None:
-        self._child(self._upstream_latency, (upstream, self.model_label(model))).observe(seconds)
+        self._upstream_latency.observe((upstream, self.model_label(model)), seconds)
 
     def tokens(self, model: str, tenant: str, prompt: int, completion: int) -> None:
         label = self.model_label(model)
-        self._child(self._tokens, (label, tenant, "prompt")).inc(prompt)
-        self._child(self._tokens, (label, tenant, "completion")).inc(completion)
+        self._tokens.inc((label, tenant, "prompt"), prompt)
+        self._tokens.inc((label, tenant, "completion"), completion)
 
     def routed(self, model: str, upstream: str, outcome: str) -> None:
-        self._child(self._routed, (self.model_label(model), upstream, outcome)).inc()
+        self._routed.inc((self.model_label(model), upstream, outcome))
 
     def failover(self, model: str, upstream: str, result: str) -> None:
-        self._child(self._failovers, (self.model_label(model), upstream, result)).inc()
+        self._failovers.inc((self.model_label(model), upstream, result))
 
     def serve(self, listen: str) -> MetricsEndpoint:
         """Start the /metrics HTTP server on `host:port` (port 0: any free port)."""
