@@ -16,6 +16,8 @@ forwarded: Triton answers a unary request it cannot parse with INTERNAL, and end
 ModelStreamInfer stream at one, silently dropping the requests after it.
 
 Field numbers are from KServe v2's grpc_service.proto (tritonclient.grpc.service_pb2).
+The two field encoders (`len_field`, `varint_field`) also write the one part of a refusal's
+google.rpc.Status that differs per call, its RetryInfo (services/status.py).
 """
 
 from __future__ import annotations
