@@ -21,6 +21,7 @@ from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
+from qosgate.upstream.pool import SLOW_PROBES_BEFORE_DOWN
 from tests.fakes import until
 
 
@@ -152,10 +153,23 @@ async def fake_triton(
         await server.stop(None)
 
 
+class SlowTriton(LoadingTriton):
+    """A Triton too busy to answer ServerLive within the check timeout while `slow` is set."""
+
+    def __init__(self) -> None:
+        super().__init__({"identity"})
+        self.slow = False
+
+    async def ServerLive(self, request, context):  # noqa: N802
+        if self.slow:
+            await asyncio.sleep(1.0)
+        return await super().ServerLive(request, context)
+
+
 @contextlib.asynccontextmanager
-async def started(port: int, check_interval_s: float) -> AsyncIterator[UpstreamPool]:
+async def started(port: int, check_interval_s: float, check_timeout_s: float = 1.0) -> AsyncIterator[UpstreamPool]:
     config = UpstreamConfig(name="t", url=f"127.0.0.1:{port}")
-    pool = UpstreamPool([config], check_interval_s=check_interval_s)
+    pool = UpstreamPool([config], check_interval_s=check_interval_s, check_timeout_s=check_timeout_s)
     await pool.start()
     try:
         yield pool
@@ -216,6 +230,47 @@ async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -
         async with fake_triton(triton, port):  # and comes back on the same port
             await until(lambda: changes == [False, True])
             assert pool.pick("identity") is pool.upstreams[0]
+
+async def test_a_slow_answer_is_not_down_until_it_lasts() -> None:
+    """Regression: one ServerLive answered late while vLLM saturated the CPUs took the only
+    upstream out of service, and every call in flight was refused."""
+    triton = SlowTriton()
+    async with fake_triton(triton) as port, started(port, check_interval_s=3600, check_timeout_s=0.1) as pool:
+        upstream = pool.upstreams[0]
+        triton.slow = True
+        for _ in range(SLOW_PROBES_BEFORE_DOWN - 1):
+            await pool.check_all()
+            assert pool.live and upstream.has_ready("identity")
+            assert pool.pick("identity") is upstream
+        triton.slow = False
+        await pool.check_all()  # an answer in time starts the count again
+        triton.slow = True
+        for _ in range(SLOW_PROBES_BEFORE_DOWN - 1):
+            await pool.check_all()
+        assert pool.live
+        await pool.check_all()
+        assert not pool.live
+        with pytest.raises(Unavailable):
+            pool.pick("identity")
+        triton.slow = False
+        await pool.check_all()
+        assert pool.live and pool.pick("identity") is upstream
+
+
+async def test_a_live_false_answer_is_down_at_once() -> None:
+    class DrainingTriton(LoadingTriton):
+        live = True
+
+        async def ServerLive(self, request, context):  # noqa: N802
+            return service_pb2.ServerLiveResponse(live=self.live)
+
+    triton = DrainingTriton({"identity"})
+    async with fake_triton(triton) as port, started(port, check_interval_s=3600) as pool:
+        assert pool.live
+        triton.live = False
+        await pool.check_all()
+        assert not pool.live
+
 
 def affinity_pool(*names: str, metrics: GatewayMetrics | None = None, **routing: object) -> UpstreamPool:
     config = RoutingConfig.model_validate({"policy": "prefix_affinity", **routing})

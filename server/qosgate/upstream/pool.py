@@ -13,6 +13,11 @@ live upstream has ready still goes to a live one, and Triton answers it as it wo
 without the gateway (NOT_FOUND for a model that is unloaded or loading): the cached index
 is a routing hint that may be a moment old, never a reason to refuse.
 
+An upstream that refuses the connection or answers ServerLive false is not live at once. One
+that does not answer within `check_timeout_s` stays live until `SLOW_PROBES_BEFORE_DOWN`
+checks in a row went unanswered: a Triton whose CPUs an engine saturates answers late, and
+calling it down refused every call it was serving well (and its only upstream, everyone's).
+
 The state is refreshed every `check_interval_s`, and at once when a call saw UNAVAILABLE,
 when a repository load or unload went through the gateway (`recheck`), and when an
 upstream's channel connects or loses its connection. With the reconnect backoff bounded
@@ -50,6 +55,9 @@ SERVICE = "inference.GRPCInferenceService"
 METHODS = tuple(m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods)
 _SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
 _READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
+
+# Checks in a row that got no answer in time before a live upstream counts as down.
+SLOW_PROBES_BEFORE_DOWN = 3
 
 # The gateway appends a few small parameters (priority, timeout, id) to each request.
 FRAGMENT_ALLOWANCE_BYTES = 64 * 1024
@@ -101,6 +109,7 @@ class Upstream:
         "_stream",
         "_probes_started",
         "_probe_applied",
+        "slow_probes",
         "_message_options",
     )
 
@@ -121,6 +130,8 @@ class Upstream:
         # after a newer one's.
         self._probes_started = 0
         self._probe_applied = 0
+        # Checks in a row that got no answer within the check timeout.
+        self.slow_probes = 0
         self._message_options = tuple(message_options)
 
     def open(self) -> None:
@@ -317,9 +328,17 @@ class UpstreamPool:
     async def _check(self, upstream: Upstream) -> None:
         """Ask `upstream` whether it is live and which models it has ready; publish changes."""
         probe = upstream.probe_started()
-        live, ready_models = await self._probe(upstream)
+        answer = await self._probe(upstream)
         if not upstream.probe_is_newest(probe):
             return
+        if answer is None:  # no answer in time: busy, or hung; down only if it lasts
+            upstream.slow_probes += 1
+            if upstream.slow_probes < SLOW_PROBES_BEFORE_DOWN:
+                return
+            answer = False, frozenset()
+        else:
+            upstream.slow_probes = 0
+        live, ready_models = answer
         if live != upstream.live:
             level = logging.INFO if live else logging.WARNING
             state = "live" if live else "NOT live"
@@ -333,16 +352,21 @@ class UpstreamPool:
         upstream.live, upstream.ready_models = live, ready_models
         self._publish()
 
-    async def _probe(self, upstream: Upstream) -> tuple[bool, frozenset[str] | None]:
+    async def _probe(self, upstream: Upstream) -> tuple[bool, frozenset[str] | None] | None:
+        """(live, ready models) as `upstream` answers them; None if it did not answer in time."""
         try:
             raw = await upstream.unary("ServerLive")(_SERVER_LIVE, timeout=self._check_timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
             return False, frozenset()
         if not service_pb2.ServerLiveResponse.FromString(raw).live:
             return False, frozenset()
         try:
             raw = await upstream.unary("RepositoryIndex")(_READY_MODELS, timeout=self._check_timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return True, upstream.ready_models  # live and slow: keep the last index
             # Live but the index is not for us (e.g. Triton's restricted repository
             # protocol): route without the hint rather than call the upstream down.
             return True, None
