@@ -153,17 +153,18 @@ async def fake_triton(
         await server.stop(None)
 
 
-class SlowTriton(LoadingTriton):
-    """A Triton too busy to answer ServerLive within the check timeout while `slow` is set."""
+class BusyTriton(LoadingTriton):
+    """A Triton whose ServerLive answers `live`, later than any check timeout while `slow`."""
 
     def __init__(self) -> None:
         super().__init__({"identity"})
+        self.live = True
         self.slow = False
 
     async def ServerLive(self, request, context):  # noqa: N802
         if self.slow:
             await asyncio.sleep(1.0)
-        return await super().ServerLive(request, context)
+        return service_pb2.ServerLiveResponse(live=self.live)
 
 
 @contextlib.asynccontextmanager
@@ -231,10 +232,11 @@ async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -
             await until(lambda: changes == [False, True])
             assert pool.pick("identity") is pool.upstreams[0]
 
+
 async def test_a_slow_answer_is_not_down_until_it_lasts() -> None:
     """Regression: one ServerLive answered late while vLLM saturated the CPUs took the only
     upstream out of service, and every call in flight was refused."""
-    triton = SlowTriton()
+    triton = BusyTriton()
     async with fake_triton(triton) as port, started(port, check_interval_s=3600, check_timeout_s=0.1) as pool:
         upstream = pool.upstreams[0]
         triton.slow = True
@@ -258,13 +260,7 @@ async def test_a_slow_answer_is_not_down_until_it_lasts() -> None:
 
 
 async def test_a_live_false_answer_is_down_at_once() -> None:
-    class DrainingTriton(LoadingTriton):
-        live = True
-
-        async def ServerLive(self, request, context):  # noqa: N802
-            return service_pb2.ServerLiveResponse(live=self.live)
-
-    triton = DrainingTriton({"identity"})
+    triton = BusyTriton()
     async with fake_triton(triton) as port, started(port, check_interval_s=3600) as pool:
         assert pool.live
         triton.live = False
