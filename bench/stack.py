@@ -206,6 +206,7 @@ class Stack:
         self.replicas: list[LocalTriton] = []
         self.nginx: GroupProcess | None = None
         self.gateway: GroupProcess | None = None
+        self.second_gateway: GroupProcess | None = None
         self.relay_alone: GroupProcess | None = None
         self.nginx_url = ""
         self.gateway_url = ""
@@ -294,9 +295,30 @@ class Stack:
                       scheduler: Mapping[str, Any] | None = None) -> str:
         """`qosgate serve` with a config generated for this run (stopping the gateway an
         earlier call started); returns its gRPC target."""
-        assert self.triton is not None
         if self.gateway is not None:
             self.gateway.stop()
+        self.gateway, port, metrics_port, http_port = self._serve_gateway("gateway", tenants, models, scheduler)
+        self.gateway_metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+        self.gateway_url = f"{LOOPBACK}:{port}"
+        self.gateway_openai_url = f"http://{LOOPBACK}:{http_port}/v1"
+        return self.gateway_url
+
+    def start_second_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
+                             models: Mapping[str, Mapping[str, Any]] | None = None,
+                             scheduler: Mapping[str, Any] | None = None) -> str:
+        """Another `qosgate serve` process in front of the same Triton (a load that costs
+        the machine what it costs the gateway, without sharing its process); returns its
+        gRPC target."""
+        if self.second_gateway is not None:
+            self.second_gateway.stop()
+        self.second_gateway, port, _, _ = self._serve_gateway("second gateway", tenants, models, scheduler)
+        return f"{LOOPBACK}:{port}"
+
+    def _serve_gateway(self, name: str, tenants: Sequence[Mapping[str, Any]],
+                       models: Mapping[str, Mapping[str, Any]] | None,
+                       scheduler: Mapping[str, Any] | None) -> tuple[GroupProcess, int, int, int]:
+        """A `qosgate serve` process listening: it, its gRPC, metrics and OpenAI ports."""
+        assert self.triton is not None
         port, metrics_port, http_port = free_port(), free_port(), free_port()
         doc = gateway_config(
             listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{metrics_port}",
@@ -304,21 +326,17 @@ class Stack:
             upstreams=[(r.ports.grpc_url, r.ports.metrics_url) for r in self.replicas],
             tenants=tenants, models=models, scheduler=scheduler,
         )
-        self.gateway_metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
-        path = self.dir / "gateway.yaml"
+        stem = name.replace(" ", "-")
+        path = self.dir / f"{stem}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         qosgate = pathlib.Path(sys.executable).with_name("qosgate")
-        self.gateway = GroupProcess(
-            "gateway", [str(qosgate), "serve", "--config", str(path)], self.dir / "gateway.log",
-        )
-        self._exit.callback(self.gateway.stop)
+        process = GroupProcess(name, [str(qosgate), "serve", "--config", str(path)], self.dir / f"{stem}.log")
+        self._exit.callback(process.stop)
         try:
-            wait_for_port(port, self.gateway.proc, "qosgate serve")
+            wait_for_port(port, process.proc, "qosgate serve")
         except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; log:\n{self.gateway.log_tail()}") from exc
-        self.gateway_url = f"{LOOPBACK}:{port}"
-        self.gateway_openai_url = f"http://{LOOPBACK}:{http_port}/v1"
-        return self.gateway_url
+            raise RuntimeError(f"{exc}; log:\n{process.log_tail()}") from exc
+        return process, port, metrics_port, http_port
 
 
 def leftover_processes(pgids: Sequence[int], grace: float = 15.0) -> list[int]:
@@ -342,7 +360,7 @@ def checked(stack: Stack) -> Iterator[Stack]:
         try:
             yield stack
         finally:
-            groups = [p.pgid for p in (stack.nginx, stack.gateway) if p is not None]
+            groups = [p.pgid for p in (stack.nginx, stack.gateway, stack.second_gateway) if p is not None]
             groups += [r.pid for r in stack.replicas if r.pid is not None]
     # Each replica's vLLM workers are reaped in turn, slowly on a busy machine.
     left = leftover_processes(groups, grace=15.0 * max(1, len(stack.replicas)))

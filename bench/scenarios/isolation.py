@@ -6,7 +6,11 @@ a py-spy profile of it during an extra phase at the top flood, show where its ti
 
 On minilm one more phase runs through qosgate: instead of the flood, a tenant far over
 its request quota retries in tight loops (`REFUSAL_LOOPS` callers, no pause), so the
-gateway answers thousands of refusals a second next to the critical stream.
+gateway answers thousands of refusals a second next to the critical stream. Its reference
+sends the same loops to a second gateway process in front of the same Triton: the machine
+does the same work, the gateway under test none of it, which splits what the loops cost
+the critical stream into the CPU they take from the machine and what sharing the
+gateway's process adds.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ REFUSAL_LOOPS = 96
 REFUSALS_TARGET = "qosgate, refusal loops"
 # The same, with the loops' client at the bench's own CPU priority (bench/flood.py).
 REFUSALS_AT_PRIORITY = "qosgate, refusal loops at normal priority"
+# The loops at a second gateway process, the critical stream through the first.
+REFUSALS_ELSEWHERE = "qosgate, refusal loops at a second gateway"
 LOADS = (0, 2, 4)  # flood as a multiple of measured capacity; 0 = unloaded
 CAPACITY_DEPTH = 64  # minilm batches up to 32
 # As in config/demo.yaml: vLLM batches continuously, so a wider window keeps it busy.
@@ -163,10 +169,12 @@ async def run_phase(target: load.Target, name: str, work: Workload, flood: int, 
     return await _beside(target, name, work, batch_flood, seconds, critical, flood)
 
 
-async def refusal_phase(target: load.Target, work: Workload, seconds: float, nice: int) -> Phase:
-    """The critical stream next to `REFUSAL_LOOPS` over-quota callers retrying at once."""
-    loops = _flood(target, work, RETRY, concurrency=REFUSAL_LOOPS, retry_pause=0.0, nice=nice)
-    name = REFUSALS_TARGET if nice else REFUSALS_AT_PRIORITY
+async def refusal_phase(target: load.Target, work: Workload, seconds: float, nice: int,
+                        loops_at: load.Target | None = None) -> Phase:
+    """The critical stream next to `REFUSAL_LOOPS` over-quota callers retrying at once,
+    at the same gateway or at `loops_at`."""
+    loops = _flood(loops_at or target, work, RETRY, concurrency=REFUSAL_LOOPS, retry_pause=0.0, nice=nice)
+    name = REFUSALS_ELSEWHERE if loops_at else REFUSALS_TARGET if nice else REFUSALS_AT_PRIORITY
     return await _beside(target, name, work, loops, seconds, CRITICAL, 0)
 
 
@@ -194,14 +202,20 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
                     phase.gateway_cpu = (gateway.cpu_seconds() - cpu_before) / seconds
                 log.info("%s", phase.row())
                 phases.append(phase)
-            for nice in (flood_process.NICE, 0) if name == "qosgate" and work.refusal_loops else ():
-                await asyncio.to_thread(stack.wait_idle, work.model)
-                assert stack.gateway is not None
-                cpu_before = stack.gateway.cpu_seconds()
-                phase = await refusal_phase(target, work, seconds, nice)
-                phase.gateway_cpu = (stack.gateway.cpu_seconds() - cpu_before) / seconds
-                log.info("%s", phase.row())
-                phases.append(phase)
+            if name == "qosgate" and work.refusal_loops:
+                elsewhere = load.Target(stack.start_second_gateway(tenants=TENANTS, models=DISPATCH_WINDOWS),
+                                        target.epoch)
+                try:
+                    for nice, loops_at in ((flood_process.NICE, None), (0, None), (flood_process.NICE, elsewhere)):
+                        await asyncio.to_thread(stack.wait_idle, work.model)
+                        assert stack.gateway is not None
+                        cpu_before = stack.gateway.cpu_seconds()
+                        phase = await refusal_phase(target, work, seconds, nice, loops_at)
+                        phase.gateway_cpu = (stack.gateway.cpu_seconds() - cpu_before) / seconds
+                        log.info("%s", phase.row())
+                        phases.append(phase)
+                finally:
+                    await elsewhere.close()
             found = None
             if name == "qosgate" and profile.py_spy() is not None:
                 found = await profiled_phase(stack, target, work, cap, seconds)
@@ -246,7 +260,9 @@ def run(ctx: RunContext) -> ScenarioResult:
              "without pause (minilm, through qosgate)"
              + f"; floods and refusal loops are sent from a process of their own at nice {flood_process.NICE} "
              "(bench/flood.py: their client's CPU is not the system under test's), the critical stream from "
-             "the bench's at normal priority; one more refusal-loop phase runs with the loops at normal priority"
+             "the bench's at normal priority; one more refusal-loop phase runs with the loops at normal priority, "
+             "and one with the loops (at nice 19) at a second gateway process in front of the same Triton, the "
+             "critical stream still through the first"
              + ". Triton's batcher with priority levels (minilm) stalls some requests ~500 ms even "
              "unloaded, which inflates the direct baseline; the reference shows the absolute p99s."]
     for work in works:
@@ -292,6 +308,11 @@ def figures(phases: list[Phase]) -> list[Figure]:
                 p99 = percentile(at_priority.critical_latency(), 99)
                 reference += (f"; loops' client at normal priority {p99 * 1e3:,.0f} ms ({p99 / lo:.2f}x, "
                               f"{at_priority.refusals_per_s():,.0f} refusals/s)")
+            elsewhere = by.get((model, REFUSALS_ELSEWHERE, 0))
+            if elsewhere:
+                p99 = percentile(elsewhere.critical_latency(), 99)
+                reference += (f"; loops at a second gateway process {p99 * 1e3:,.0f} ms ({p99 / lo:.2f}x, "
+                              f"{elsewhere.refusals_per_s():,.0f} refusals/s)")
             out.append(Figure(
                 f"{model}: critical p99 {metric} with {REFUSAL_LOOPS} refusal loops / unloaded", hi / lo, "x",
                 Aim("<=", 2.0), reference=reference))
@@ -323,9 +344,11 @@ def draw(phases: list[Phase], path: pathlib.Path) -> None:
                             marker="o", color=color, label=f"{target} critical p{q}")
             good_ax.plot(xs, [p.batch_goodput() for p in mine], marker="o", color=color,
                          label=f"{target} batch goodput")
-        for loops in (p for p in phases if p.model == model and p.target in (REFUSALS_TARGET, REFUSALS_AT_PRIORITY)):
-            where = "" if loops.target == REFUSALS_TARGET else ", their client at normal priority"
-            lat_ax.plot([0], [percentile(loops.critical_latency(), 99) * 1e3], "*" if not where else "P",
+        markers = {REFUSALS_TARGET: ("*", ""), REFUSALS_AT_PRIORITY: ("P", ", their client at normal priority"),
+                   REFUSALS_ELSEWHERE: ("X", " at a second gateway process")}
+        for loops in (p for p in phases if p.model == model and p.target in markers):
+            marker, where = markers[loops.target]
+            lat_ax.plot([0], [percentile(loops.critical_latency(), 99) * 1e3], marker,
                         markersize=12, color=plots.COLORS["qosgate"],
                         label=f"qosgate critical p99, {REFUSAL_LOOPS} refusal loops{where} "
                               f"({loops.refusals_per_s():,.0f}/s)")
