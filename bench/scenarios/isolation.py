@@ -216,6 +216,8 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
                         phases.append(phase)
                 finally:
                     await elsewhere.close()
+                    assert stack.second_gateway is not None
+                    stack.second_gateway.stop()  # idle, but not through the phases after these
             found = None
             if name == "qosgate" and profile.py_spy() is not None:
                 found = await profiled_phase(stack, target, work, cap, seconds)
