@@ -304,14 +304,13 @@ class Stack:
         return self.gateway_url
 
     def start_second_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
-                             models: Mapping[str, Mapping[str, Any]] | None = None,
-                             scheduler: Mapping[str, Any] | None = None) -> str:
+                             models: Mapping[str, Mapping[str, Any]] | None = None) -> str:
         """Another `qosgate serve` process in front of the same Triton (a load that costs
         the machine what it costs the gateway, without sharing its process); returns its
         gRPC target."""
         if self.second_gateway is not None:
             self.second_gateway.stop()
-        self.second_gateway, port, _, _ = self._serve_gateway("second gateway", tenants, models, scheduler)
+        self.second_gateway, port, _, _ = self._serve_gateway("second gateway", tenants, models, None)
         return f"{LOOPBACK}:{port}"
 
     def _serve_gateway(self, name: str, tenants: Sequence[Mapping[str, Any]],
