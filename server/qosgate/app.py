@@ -2,8 +2,8 @@
 
 `Gateway` builds the domain (tenants, admission, scheduler) and the edge from a
 GatewayConfig, and owns their lifecycle. The edge is the HTTP/2 relay on `listen` (TLS
-terminated there): it serves KServe ModelInfer itself, under the gateway's policy, over
-persistent connections to each Triton, and hands every other call to an in-process grpcio
+terminated there): it serves KServe ModelInfer and ModelStreamInfer itself, under the
+gateway's policy, over persistent connections to each Triton, and hands every other call to an in-process grpcio
 server (the rest of KServe, qosgate.v1, gRPC health reflecting upstream liveness, server
 reflection) on a private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs
 it in front of a local tritonserver and stops both.
@@ -53,6 +53,7 @@ from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.relay.infer_policy import InferAdmissionPolicy
 from qosgate.relay.server import Relay
+from qosgate.relay.stream_infer import StreamInferHandler
 from qosgate.scheduler import Scheduler
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
@@ -210,18 +211,7 @@ class Gateway:
     async def start(self) -> None:
         """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
         await self.jobs.open()
-        kserve = KServeService(
-            config=self.config,
-            plane=self.dataplane,
-            directory=self.directory,
-            admission=self.admission,
-            scheduler=self.scheduler,
-            pool=self.pool,
-            metrics=self.metrics,
-            clock=self.clock,
-            streams=self.streams,
-            heap=self.heap,
-        )
+        kserve = KServeService(directory=self.directory, pool=self.pool)
         server = grpc.aio.server(options=_server_options(self.config.limits))
         # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
         rpc_edge = Edge(self.directory, self.metrics)
@@ -301,7 +291,8 @@ class Gateway:
 
     async def _start_relay(self, grpcio_address: str) -> int:
         """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
-        policy, every other call to the grpcio server; returns the listening port."""
+        policy, ModelStreamInfer served message by message, every other call to the grpcio
+        server; returns the listening port."""
         limits = self.config.limits
         tls = self.config.tls
         relay = self._relay = Relay(
@@ -330,6 +321,17 @@ class Gateway:
             next(iter(tritons.values())),
             policy,
             max_response_size=limits.max_response_bytes,
+        )
+        relay.serve(
+            f"/{KSERVE_SERVICE}/ModelStreamInfer".encode(),
+            StreamInferHandler(
+                config=self.config,
+                plane=self.dataplane,
+                pool=self.pool,
+                connections=tritons,
+                streams=self.streams,
+                heap=self.heap,
+            ),
         )
         relay.route(b"/", grpcio)
         host, _, port = self.config.listen.rpartition(":")

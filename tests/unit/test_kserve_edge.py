@@ -33,6 +33,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.requests: list[service_pb2.ModelInferRequest] = []
         self.time_remaining: list[float | None] = []
         self.stream_cancelled = asyncio.Event()
+        self.stream_time_remaining: list[float | None] = []
         self.chunks = chunks
         self.endless = endless
 
@@ -45,6 +46,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
 
     async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+        self.stream_time_remaining.append(context.time_remaining())
         try:
             async for request in request_iterator:
                 self.requests.append(request)
@@ -67,6 +69,12 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise
 
 
+async def one_request_then_wait(request_id: str) -> AsyncIterator[service_pb2.ModelInferRequest]:
+    """A stream's requests: one, then none while the stream stays open."""
+    yield service_pb2.ModelInferRequest(model_name="m", id=request_id)
+    await asyncio.Event().wait()
+
+
 class EdgeStub(service_pb2_grpc.GRPCInferenceServiceStub):
     """The KServe stub plus the health stub, on one channel to the gateway."""
 
@@ -77,7 +85,9 @@ class EdgeStub(service_pb2_grpc.GRPCInferenceServiceStub):
 
 @contextlib.asynccontextmanager
 async def gateway_before(
-    fake: FakeTriton, on_upstream: Callable[[grpc.aio.Server], None] = lambda _server: None
+    fake: FakeTriton,
+    on_upstream: Callable[[grpc.aio.Server], None] = lambda _server: None,
+    limits: dict[str, int] | None = None,
 ) -> AsyncIterator[EdgeStub]:
     upstream = grpc.aio.server()
     on_upstream(upstream)
@@ -92,6 +102,7 @@ async def gateway_before(
             "batch": {"db": f"{state.name}/batch.sqlite3"},
             "upstreams": [{"name": "fake", "url": f"127.0.0.1:{port}"}],
             "tenants": [{"name": "t", "api_keys": [{"key": KEY}], "max_class": "critical"}],
+            "limits": limits or {},
         }
     )
     gateway = Gateway(config, serve_metrics=False, health_check_interval_s=0.1)
@@ -155,12 +166,7 @@ async def test_stream_ids_restored_and_injected_empty_final_hidden(caller_wants_
 async def test_closing_the_stream_cancels_the_upstream_stream() -> None:
     fake = FakeTriton(endless=True)
     async with gateway_before(fake) as stub:
-
-        async def one_request_then_wait():
-            yield service_pb2.ModelInferRequest(model_name="m", id="long")
-            await asyncio.Event().wait()
-
-        call = stub.ModelStreamInfer(one_request_then_wait(), metadata=AUTH)
+        call = stub.ModelStreamInfer(one_request_then_wait("long"), metadata=AUTH)
         received = 0
         async for response in call:
             assert response.infer_response.id == "long"
@@ -229,18 +235,66 @@ async def test_an_upstream_stream_failure_reaches_the_caller_with_its_code() -> 
                 response.infer_response.id = request.id
                 response.infer_response.outputs.add(name="text_output")
                 await context.write(response)
+                context.set_trailing_metadata((("x-triton-detail", "draining"),))
                 await context.abort(grpc.StatusCode.CANCELLED, "triton is shutting down")
 
     async with gateway_before(FailingTriton()) as stub:
-
-        async def one_request_then_wait():
-            yield service_pb2.ModelInferRequest(model_name="m", id="r")
-            await asyncio.Event().wait()
-
-        call = stub.ModelStreamInfer(one_request_then_wait(), metadata=AUTH, timeout=20)
+        call = stub.ModelStreamInfer(one_request_then_wait("r"), metadata=AUTH, timeout=20)
         first = await call.read()
         assert first.infer_response.id == "r"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call.read()
         assert caught.value.code() == grpc.StatusCode.CANCELLED
         assert caught.value.details() == "triton is shutting down"
+        assert ("x-triton-detail", "draining") in list(caught.value.trailing_metadata() or ())
+
+
+async def test_a_stream_past_its_deadline_ends_deadline_exceeded_and_is_cancelled_upstream() -> None:
+    fake = FakeTriton(endless=True)
+    async with gateway_before(fake) as stub:
+        call = stub.ModelStreamInfer(one_request_then_wait("slow"), metadata=AUTH, timeout=1.5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(fake.stream_cancelled.wait(), timeout=10)
+    # Triton was given the caller's deadline on its stream too.
+    (left,) = fake.stream_time_remaining
+    assert left is not None and 0 < left <= 1.6
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.NoCompression, grpc.Compression.Gzip])
+async def test_stream_requests_larger_than_a_window_arrive_whole(compression: grpc.Compression) -> None:
+    """Requests of several HTTP/2 windows each (and gzip-compressed ones) reach Triton as sent."""
+    fake = FakeTriton(chunks=1)
+    payloads = [bytes(range(256)) * (12 * 1024 + n) for n in range(3)]  # about 3 MiB each
+    requests = [
+        service_pb2.ModelInferRequest(model_name="m", id=f"big{n}", raw_input_contents=[p])
+        for n, p in enumerate(payloads)
+    ]
+    async with gateway_before(fake) as stub:
+        call = stub.ModelStreamInfer(iter(requests), metadata=AUTH, timeout=30, compression=compression)
+        responses = [r async for r in call]
+    assert [r.infer_response.id for r in responses] == ["big0", "big1", "big2"]
+    assert [list(r.raw_input_contents) for r in fake.requests] == [[p] for p in payloads]
+
+
+async def test_a_stream_request_over_the_size_limit_ends_the_stream_resource_exhausted() -> None:
+    fake = FakeTriton(chunks=1)
+    small = service_pb2.ModelInferRequest(model_name="m", id="ok")
+    large = service_pb2.ModelInferRequest(model_name="m", id="large", raw_input_contents=[b"x" * 8192])
+    async with gateway_before(fake, limits={"max_request_bytes": 4096}) as stub:
+
+        async def small_then_large():
+            yield small
+            await asyncio.sleep(0.5)  # its answer first
+            yield large
+
+        call = stub.ModelStreamInfer(small_then_large(), metadata=AUTH, timeout=20)
+        first = await call.read()
+        assert first.infer_response.id == "ok"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.read()
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "4096" in (caught.value.details() or "")
+    assert len(fake.requests) == 1  # the large one never reached Triton

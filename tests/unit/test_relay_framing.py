@@ -17,7 +17,6 @@ from qosgate.relay.policy import (
     percent_encode,
     status_headers,
 )
-from qosgate.relay.server import format_timeout, parse_timeout
 
 
 def test_scanner_counts_messages_split_anywhere() -> None:
@@ -78,18 +77,18 @@ def test_decompress_gzip_and_deflate_with_a_bound() -> None:
     [(b"1S", 1.0), (b"250m", 0.25), (b"3M", 180.0), (b"1H", 3600.0), (b"20u", 20e-6), (b"5n", 5e-9)],
 )
 def test_grpc_timeout(value: bytes, seconds: float) -> None:
-    assert parse_timeout(value) == pytest.approx(seconds)
+    assert framing.parse_timeout(value) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("value", [b"", b"S", b"10", b"10x", b"123456789S", b"-1S"])
 def test_malformed_grpc_timeout_is_ignored(value: bytes) -> None:
-    assert parse_timeout(value) is None
+    assert framing.parse_timeout(value) is None
 
 
 def test_format_timeout_round_trips_in_microseconds() -> None:
-    assert format_timeout(0.25) == b"250000u"
-    assert format_timeout(-1.0) == b"1u"  # already late: the upstream fails it at once
-    assert parse_timeout(format_timeout(2.5)) == pytest.approx(2.5)
+    assert framing.format_timeout(0.25) == b"250000u"
+    assert framing.format_timeout(-1.0) == b"1u"  # already late: the upstream fails it at once
+    assert framing.parse_timeout(framing.format_timeout(2.5)) == pytest.approx(2.5)
 
 
 def test_status_headers_encode_message_and_details() -> None:

@@ -1,25 +1,37 @@
-"""gRPC's length-prefixed messages (1 byte compressed flag, 4 bytes big-endian length).
+"""gRPC's length-prefixed messages (1 byte compressed flag, 4 bytes big-endian length),
+and its `grpc-timeout` header.
 
-The relay never buffers a call's messages, except the first one of a call that a policy
-reads: `MessageScanner` follows the prefixes through DATA chunks to count messages and
-enforce the size bound without copying, and `FirstMessage` collects exactly one message.
+The relay never buffers a relayed call's messages, except the first one of a call that a
+policy reads (a call served message by message collects them in messages.Inbox):
+`MessageScanner` follows the prefixes through DATA chunks to count messages and enforce
+the size bound without copying, and `FirstMessage` collects exactly one message.
 """
 
 from __future__ import annotations
 
 import zlib
 
+from qosgate.relay.policy import INVALID_ARGUMENT, RESOURCE_EXHAUSTED
+
 PREFIX = 5
 
 
-class MessageTooLarge(Exception):
+class FramingError(Exception):
+    """Bytes that do not make an acceptable gRPC message; `status` is the call's answer."""
+
+    status = INVALID_ARGUMENT
+
+
+class MessageTooLarge(FramingError):
     """A message's declared length is over the relay's bound."""
+
+    status = RESOURCE_EXHAUSTED
 
     def __init__(self, length: int, limit: int) -> None:
         super().__init__(f"gRPC message of {length} bytes is over the limit of {limit}")
 
 
-class UnsupportedEncoding(Exception):
+class UnsupportedEncoding(FramingError):
     """A compressed message in an encoding the relay cannot read."""
 
 
@@ -101,6 +113,23 @@ class FirstMessage:
 def frame(payload: bytes, *, compressed: bool = False) -> bytes:
     """One length-prefixed message."""
     return (b"\x01" if compressed else b"\x00") + len(payload).to_bytes(4, "big") + payload
+
+
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """grpc-timeout (`<digits><unit>`, at most 8 digits) in seconds; None if malformed."""
+    scale = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if scale is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * scale
+
+
+def format_timeout(seconds: float) -> bytes:
+    """The grpc-timeout value for `seconds` left, in whole microseconds (at least 1)."""
+    return b"%du" % max(1, min(99_999_999, int(seconds * 1e6)))
 
 
 # zlib's wbits for each grpc-encoding the relay can read.

@@ -52,6 +52,7 @@ __all__ = [
     "StreamReset",
     "TrailersReceived",
     "WindowUpdated",
+    "header",
 ]
 
 Header = tuple[bytes, bytes]
@@ -63,6 +64,14 @@ STREAM_WINDOW = 1 << 20
 # Connection receive window: how much many streams together may have in flight.
 CONNECTION_WINDOW = 64 << 20
 MAX_FRAME_SIZE = 1 << 16
+
+
+def header(headers: Iterable[Header], name: bytes) -> bytes | None:
+    """The first value of the field `name` (lower-case) in `headers`, or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 class Http2Connection:

@@ -85,7 +85,7 @@ class InferAdmissionPolicy:
             self._plane.metrics.rejected(row.reason, "", "")
             self._plane.metrics.request_done(RPC, "", "", "", row.code.name)
             self._heap.message(len(head.first_message))
-            return _refusal(e)
+            return refusal(e)
         scope: CallScope | None = None
         try:
             request = peek_infer_request(head.first_message, self._config.limits.max_request_fields)
@@ -97,7 +97,7 @@ class InferAdmissionPolicy:
         except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
             await (scope or self._plane.open(RPC, tenant, "", headers)).close(e)
             self._heap.message(len(head.first_message))
-            return _refusal(e)
+            return refusal(e)
 
     async def _dispatch(
         self, head: CallHead, headers: dict[str, str], request: InferRequestHead, scope: CallScope
@@ -122,7 +122,7 @@ class InferAdmissionPolicy:
                 scope.responded()
             elif end.status == code_pb2.UNAVAILABLE:
                 self._pool.recheck(call.upstream)  # it may have gone away: check it now
-            code = "CANCELLED" if end.status is None else _CODE_NAMES.get(end.status, "UNKNOWN")
+            code = "CANCELLED" if end.status is None else code_name(end.status)
             call.done()
             self._heap.message(size)
             closing = self._start(scope.close_with_code(code))
@@ -141,6 +141,11 @@ class InferAdmissionPolicy:
             upstream=self._connections[call.upstream.name],
             failover=failover if len(self._connections) > 1 else None,
         )
+
+
+def code_name(code: int) -> str:
+    """A gRPC status code's name (the `code` metric label); out of range, UNKNOWN."""
+    return _CODE_NAMES.get(code, "UNKNOWN")
 
 
 class _RoutedCall:
@@ -176,6 +181,7 @@ class _RoutedCall:
         self._scope.upstream_finished()
 
 
-def _refusal(error: BaseException) -> Refuse:
+def refusal(error: BaseException) -> Refuse:
+    """The relay's answer for a refused call: the error table's status and details."""
     code, message, details = status.status_bytes(error)
     return Refuse(code, message, details=details)

@@ -16,12 +16,20 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from qosgate.relay import http2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Draining(Protocol):
+    """Something waiting for a connection to write out its bytes (`Peer.draining`)."""
+
+    def settle(self) -> bool:
+        """Called after each write of the connection; True while still waiting."""
+        ...
 
 
 class Pipe:
@@ -56,11 +64,7 @@ class Pipe:
         """Acknowledge bytes the relay consumed itself (a first message it read)."""
         if size > 0:
             self.unacked -= size
-            source = self.source
-            if not source.closed:
-                source.h2.acknowledge(self.source_id, size)
-                if source.h2.wants_write:  # a WINDOW_UPDATE is due (past half the window)
-                    source.touch()
+            self.source.acknowledge(self.source_id, size)
 
     def drop(self) -> None:
         """The call is over: nothing will be handed on, give the source its window back."""
@@ -150,8 +154,9 @@ class Peer(asyncio.Protocol):
         self.dirty = False
         self.closed = False
         self._paused = False
-        # Pipes whose sink is this connection and whose source still waits for acks.
-        self.draining: set[Pipe] = set()
+        # Pipes whose sink is this connection and whose source still waits for acks, and
+        # message streams (messages.py) waiting for their queued bytes to go out.
+        self.draining: set[Draining] = set()
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -186,6 +191,13 @@ class Peer(asyncio.Protocol):
         self.transport = None
         self.lost()
 
+    def acknowledge(self, stream_id: int, size: int) -> None:
+        """Open the peer's windows by `size` bytes of the stream that were passed on."""
+        if not self.closed:
+            self.h2.acknowledge(stream_id, size)
+            if self.h2.wants_write:  # a WINDOW_UPDATE is due (past half the window)
+                self.touch()
+
     # -- writing ------------------------------------------------------------------------
 
     def touch(self) -> None:
@@ -207,9 +219,9 @@ class Peer(asyncio.Protocol):
             if events:
                 self.handle(events)
         if self.draining:
-            for pipe in list(self.draining):
-                if not pipe.settle():
-                    self.draining.discard(pipe)
+            for waiting in list(self.draining):
+                if not waiting.settle():
+                    self.draining.discard(waiting)
         if not (self.h2.wants_read or self.h2.wants_write):
             transport.close()
 

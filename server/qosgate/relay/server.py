@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from qosgate.auth import ClientCertificate
 from qosgate.relay import framing, http2
+from qosgate.relay.messages import Handler, ServerStream
 from qosgate.relay.peer import Flusher, Peer, Pipe
 from qosgate.relay.policy import (
     DEADLINE_EXCEEDED,
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 _GRPC_TIMEOUT = b"grpc-timeout"
 _GRPC_ENCODING = b"grpc-encoding"
-_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _CANCEL = int(http2.ErrorCode.CANCEL)
 _REFUSED_STREAM = int(http2.ErrorCode.REFUSED_STREAM)
 # Response messages of a route without a bound are counted only (its server bounds them).
@@ -53,26 +53,14 @@ _UNBOUNDED = 1 << 32
 @dataclass(frozen=True, slots=True)
 class Route:
     """Calls whose `:path` starts with `prefix` go to `pool`, asking `policy` first if set;
-    a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED."""
+    a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED. A route
+    with a `handler` is served by it message by message instead (messages.ServerStream)."""
 
     prefix: bytes
-    pool: UpstreamPool
+    pool: UpstreamPool | None
     policy: CallPolicy | None = None
     max_response_size: int = _UNBOUNDED
-
-
-def parse_timeout(value: bytes) -> float | None:
-    """grpc-timeout (`<digits><unit>`, at most 8 digits) in seconds; None if malformed."""
-    scale = _TIMEOUT_UNITS.get(value[-1:])
-    digits = value[:-1]
-    if scale is None or not digits.isdigit() or len(digits) > 8:
-        return None
-    return int(digits) * scale
-
-
-def format_timeout(seconds: float) -> bytes:
-    """The grpc-timeout value for `seconds` left, in whole microseconds (at least 1)."""
-    return b"%du" % max(1, min(99_999_999, int(seconds * 1e6)))
+    handler: Handler | None = None
 
 
 class Call:
@@ -115,18 +103,17 @@ class Call:
 
     # -- from the caller ------------------------------------------------------------------
 
-    def start(self, end_stream: bool) -> None:
+    def start(self, route: Route | None, end_stream: bool) -> None:
         relay = self.down.relay
-        path = _header(self.headers, b":path") or b""
-        route = relay.route_of(path)
         if route is None:
+            path = http2.header(self.headers, b":path") or b""
             self.refuse(Refuse(UNIMPLEMENTED, f"no route for {path.decode(errors='replace')}"))
             return
         self.route = route
         self.responses = framing.MessageScanner(route.max_response_size)
-        timeout = _header(self.headers, _GRPC_TIMEOUT)
+        timeout = http2.header(self.headers, _GRPC_TIMEOUT)
         if timeout is not None:
-            seconds = parse_timeout(timeout)
+            seconds = framing.parse_timeout(timeout)
             if seconds is not None:
                 loop = relay.loop
                 self.deadline = loop.time() + seconds
@@ -229,14 +216,11 @@ class Call:
         payload = first.payload or b""
         message = payload
         if first.compressed:
-            encoding = _header(self.headers, _GRPC_ENCODING) or b"identity"
+            encoding = http2.header(self.headers, _GRPC_ENCODING) or b"identity"
             try:
                 message = framing.decompress(encoding, payload, self.down.relay.max_message_size)
-            except framing.MessageTooLarge as e:
-                self.fail(Refuse(RESOURCE_EXHAUSTED, str(e)))
-                return
-            except framing.UnsupportedEncoding as e:
-                self.fail(Refuse(INVALID_ARGUMENT, str(e)))
+            except framing.FramingError as e:
+                self.fail(Refuse(e.status, str(e)))
                 return
             if not self.charge(len(message)):  # held beside the compressed bytes until the decision
                 return
@@ -245,7 +229,7 @@ class Call:
     def decide(self, message: bytes, first: framing.FirstMessage | None = None) -> None:
         assert self.route is not None and self.route.policy is not None
         left = None if self.deadline is None else self.deadline - self.down.relay.loop.time()
-        head = CallHead(_header(self.headers, b":path") or b"", self.headers, message, left, self.down.certificate)
+        head = CallHead(http2.header(self.headers, b":path") or b"", self.headers, message, left, self.down.certificate)
         try:
             decision = self.route.policy(head)
         except Exception:
@@ -288,7 +272,7 @@ class Call:
         headers = _merge(self.headers, decision.set_headers)
         if waited and self.deadline is not None:
             left = self.deadline - self.down.relay.loop.time()
-            headers = _merge(headers, ((_GRPC_TIMEOUT, format_timeout(left)),))
+            headers = _merge(headers, ((_GRPC_TIMEOUT, framing.format_timeout(left)),))
         if first is not None:
             if decision.append:
                 # Appended bytes cannot go inside a compressed message: send it plain.
@@ -304,9 +288,9 @@ class Call:
 
     # -- upstream ---------------------------------------------------------------------------
 
-    def forward(self, pool: UpstreamPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
+    def forward(self, pool: UpstreamPool | None, headers: Sequence[http2.Header], end_stream: bool) -> None:
         self.sent_headers = headers
-        up = pool.pick()
+        up = pool.pick() if pool is not None else None
         if up is None:
             # The upstream's connections are down (its health check may not know yet).
             if not self.fail_over():
@@ -466,7 +450,7 @@ class DownstreamConnection(Peer):
     def __init__(self, relay: Relay) -> None:
         super().__init__(relay.flusher, server=True, max_concurrent_streams=relay.max_concurrent_streams)
         self.relay = relay
-        self.calls: dict[int, Call] = {}
+        self.calls: dict[int, Call | ServerStream] = {}
         # Request bytes read for policies still deciding, over all of this connection's calls.
         self.pending_bytes = 0
         self.certificate: ClientCertificate | None = None
@@ -495,9 +479,16 @@ class DownstreamConnection(Peer):
                 else:
                     self.h2.acknowledge(event.stream_id, len(event.data))
             elif isinstance(event, http2.RequestReceived):
-                call = Call(self, event.stream_id, event.headers)
-                calls[event.stream_id] = call
-                call.start(event.end_stream)
+                route = self.relay.route_of(http2.header(event.headers, b":path") or b"")
+                if route is not None and route.handler is not None:
+                    served = ServerStream(self, event.stream_id, event.headers, route.handler)
+                    calls[event.stream_id] = served
+                    if event.end_stream:
+                        served.client_data(b"", True)
+                else:
+                    call = Call(self, event.stream_id, event.headers)
+                    calls[event.stream_id] = call
+                    call.start(route, event.end_stream)
             elif isinstance(event, http2.StreamReset):
                 call = calls.get(event.stream_id)
                 if call is not None:
@@ -543,6 +534,8 @@ class Relay:
         self.loop = asyncio.get_running_loop()
         self._pools: list[UpstreamPool] = []
         self.clients: set[DownstreamConnection] = set()
+        # Handlers serving calls (`serve` routes), awaited at close.
+        self.serving: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     def upstream(self, address: str, *, connections: int = 2, tls: ssl.SSLContext | None = None) -> UpstreamPool:
@@ -563,6 +556,11 @@ class Relay:
         """Calls whose `:path` starts with `prefix` go to `pool` (first match wins)."""
         self.routes.append(Route(prefix, pool, policy, max_response_size))
 
+    def serve(self, prefix: bytes, handler: Handler) -> None:
+        """Calls whose `:path` starts with `prefix` are served by `handler`, one message at
+        a time (first match wins, as for `route`)."""
+        self.routes.append(Route(prefix, None, handler=handler))
+
     def route_of(self, path: bytes) -> Route | None:
         for route in self.routes:
             if path.startswith(route.prefix):
@@ -579,17 +577,13 @@ class Relay:
             self._server.close()
         for client in list(self.clients):
             client.abort()
+        for task in self.serving:
+            task.cancel()
+        await asyncio.gather(*self.serving, return_exceptions=True)
         for pool in self._pools:
             await pool.stop()
         if self._server is not None:
             await self._server.wait_closed()
-
-
-def _header(headers: Sequence[http2.Header], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
 
 
 def _merge(headers: Sequence[http2.Header], changes: Sequence[http2.Header]) -> Sequence[http2.Header]:
@@ -601,6 +595,6 @@ def _merge(headers: Sequence[http2.Header], changes: Sequence[http2.Header]) -> 
 
 
 def _status_of(headers: Sequence[http2.Header]) -> int | None:
-    value = _header(headers, b"grpc-status")
+    value = http2.header(headers, b"grpc-status")
     return int(value) if value is not None and value.isdigit() else None
 
