@@ -69,10 +69,10 @@ class Inbox:
 
     __slots__ = (
         "_buf", "_ready", "_unacked", "_ended", "_closed", "_error", "_waiter", "_limit",
-        "encoding", "_ack",
+        "encoding", "_peer", "_stream_id",
     )  # fmt: skip
 
-    def __init__(self, limit: int, encoding: bytes, ack: Callable[[int], None]) -> None:
+    def __init__(self, peer: Peer, stream_id: int, limit: int, encoding: bytes) -> None:
         self._buf = bytearray()  # the start of a message still coming
         self._ready: deque[bytes] = deque()
         self._unacked = 0
@@ -82,7 +82,10 @@ class Inbox:
         self._waiter: asyncio.Future[None] | None = None
         self._limit = limit
         self.encoding = encoding
-        self._ack = ack
+        # The stream's connection, not the stream: an inbox refers to nothing that refers
+        # to it, so a finished call is freed at once rather than by the cycle collector.
+        self._peer = peer
+        self._stream_id = stream_id
 
     @property
     def held(self) -> int:
@@ -91,7 +94,7 @@ class Inbox:
 
     def feed(self, data: bytes, end_stream: bool) -> None:
         if self._closed or self._error is not None or self._ended:
-            self._ack(len(data))
+            self._peer.acknowledge(self._stream_id, len(data))
             return
         self._unacked += len(data)
         try:
@@ -172,7 +175,7 @@ class Inbox:
     def _acknowledge(self) -> None:
         if self._unacked:
             unacked, self._unacked = self._unacked, 0
-            self._ack(unacked)
+            self._peer.acknowledge(self._stream_id, unacked)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -238,7 +241,7 @@ class ServerStream:
         self.stream_id = stream_id
         self.headers = headers
         encoding = http2.header(headers, b"grpc-encoding") or b"identity"
-        self._inbox = Inbox(relay.max_message_size, encoding, self._acknowledge)
+        self._inbox = Inbox(down, stream_id, relay.max_message_size, encoding)
         self._writer = _Writer(down, stream_id)
         self._responded = False
         self.finished = False
@@ -251,9 +254,10 @@ class ServerStream:
             if seconds is not None:
                 self._deadline = relay.loop.time() + seconds
                 self._timer = relay.loop.call_at(self._deadline, self._deadline_passed)
-        self._task = relay.loop.create_task(self._run(handler))
-        relay.serving.add(self._task)
-        self._task.add_done_callback(relay.serving.discard)
+        task = relay.loop.create_task(self._run(handler))
+        relay.serving.add(task)
+        task.add_done_callback(self._handled)
+        self._task: asyncio.Task[None] | None = task
 
     @property
     def certificate(self) -> ClientCertificate | None:
@@ -326,6 +330,11 @@ class ServerStream:
         down.touch()
         self._end()
 
+    def _handled(self, task: asyncio.Task[None]) -> None:
+        # The stream lets go of its finished task (whose frames refer to the stream).
+        self._down.relay.serving.discard(task)
+        self._task = None
+
     def _deadline_passed(self) -> None:
         self._timer = None
         self._finish(status_headers(Refuse(DEADLINE_EXCEEDED, "Deadline Exceeded")))
@@ -340,15 +349,14 @@ class ServerStream:
         self._inbox.close()
         self._uncharge()
         self._writer.release()
-        if self._task is not asyncio.current_task():  # ended by the handler's own answer
-            self._task.cancel()
+        task = self._task
+        if task is not None and task is not asyncio.current_task():  # not the handler's own answer
+            task.cancel()
 
     def _uncharge(self) -> None:
         self._down.pending_bytes -= self._charged
         self._charged = 0
 
-    def _acknowledge(self, size: int) -> None:
-        self._down.acknowledge(self.stream_id, size)
 
 
 class ClientStream:
@@ -362,11 +370,11 @@ class ClientStream:
 
     def __init__(self, conn: UpstreamConnection, headers: Sequence[http2.Header], max_response_size: int) -> None:
         self._conn = conn
-        self._inbox = Inbox(max_response_size, b"identity", self._acknowledge)
         self.status: int | None = None
         self.trailers: Sequence[http2.Header] = ()
         self.ended = False
         self.stream_id = conn.open_stream(headers, self, end_stream=False)
+        self._inbox = Inbox(conn, self.stream_id, max_response_size, b"identity")
         self._writer = _Writer(conn, self.stream_id)
 
     async def read(self) -> bytes | None:
@@ -453,5 +461,3 @@ class ClientStream:
         self.trailers = status_headers(refusal)
         self._inbox.end()
 
-    def _acknowledge(self, size: int) -> None:
-        self._conn.acknowledge(self.stream_id, size)
