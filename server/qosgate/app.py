@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -409,6 +410,11 @@ async def serve(config: GatewayConfig, *, path: str | os.PathLike[str] | None = 
     for sig, handler in handlers.items():
         loop.add_signal_handler(sig, handler)
     await gateway.start()
+    # What startup built (modules, config, protobuf descriptors: over 100k objects) lives as
+    # long as the process. Frozen, it is left out of the cyclic collector's full passes,
+    # which otherwise walk all of it (30-50 ms on the bench machine) while calls wait.
+    gc.collect()
+    gc.freeze()
     try:
         await stop.wait()
         log.info("stopping qosgate")
