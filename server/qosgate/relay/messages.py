@@ -22,10 +22,10 @@ from qosgate.relay import framing, http2
 from qosgate.relay.peer import Peer
 from qosgate.relay.policy import (
     CANCELLED,
+    CONNECTION_FULL,
+    CUT_SHORT,
     DEADLINE_EXCEEDED,
     INTERNAL,
-    INVALID_ARGUMENT,
-    RESOURCE_EXHAUSTED,
     UNAVAILABLE,
     UNKNOWN,
     Refuse,
@@ -137,7 +137,7 @@ class Inbox:
         """Nothing more comes; a message cut short fails the call."""
         self._ended = True
         if self._buf:
-            self.fail(Refuse(INVALID_ARGUMENT, "stream ended inside a gRPC message"))
+            self.fail(CUT_SHORT)
         self._wake()
 
     def fail(self, refusal: Refuse) -> None:
@@ -225,8 +225,8 @@ class ServerStream:
     """A caller's call served by a handler one message at a time (see the module).
 
     The handler returns the status fields to end with (`OK_STATUS`, `status_headers(...)`
-    of a refusal, or an upstream's `trailers`); if it raises, the caller gets INTERNAL. The caller's reset, its
-    connection's loss and the deadline from `grpc-timeout` cancel the handler."""
+    of a refusal, or an upstream's `trailers`); if it raises, the caller gets INTERNAL. The
+    caller's reset, its connection's loss and the deadline from `grpc-timeout` cancel it."""
 
     __slots__ = (
         "_down", "stream_id", "headers", "_inbox", "_writer", "_responded", "finished",
@@ -292,12 +292,7 @@ class ServerStream:
         down.pending_bytes += held - self._charged
         self._charged = held
         if held and down.pending_bytes > down.relay.max_connection_pending:
-            inbox.fail(
-                Refuse(
-                    RESOURCE_EXHAUSTED,
-                    "too many request bytes waiting on this connection; retry when its other calls have been admitted",
-                )
-            )
+            inbox.fail(CONNECTION_FULL)
             self._uncharge()
 
     def client_reset(self, error_code: int) -> None:

@@ -94,6 +94,15 @@ class Refuse:
 
 Decision = Forward | Refuse
 
+# A call whose stream ended inside a message.
+CUT_SHORT = Refuse(INVALID_ARGUMENT, "stream ended inside a gRPC message")
+# A call whose request bytes, read before the gateway could decide on them, would take its
+# connection over its bound (`Relay.max_connection_pending`).
+CONNECTION_FULL = Refuse(
+    RESOURCE_EXHAUSTED,
+    "too many request bytes waiting on this connection; retry when its other calls have been admitted",
+)
+
 
 class CallPolicy(Protocol):
     """Decides each relayed call from its headers and first message."""

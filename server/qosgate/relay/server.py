@@ -24,10 +24,11 @@ from qosgate.relay.peer import Flusher, Peer, Pipe
 from qosgate.relay.policy import (
     DEADLINE_EXCEEDED,
     INTERNAL,
-    INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
     UNIMPLEMENTED,
+    CONNECTION_FULL,
+    CUT_SHORT,
     CallEnd,
     CallHead,
     CallPolicy,
@@ -154,7 +155,7 @@ class Call:
                     self.hold(first.rest)
                 self.decide_on(first)
             elif end_stream:
-                self.fail(Refuse(INVALID_ARGUMENT, "stream ended inside a gRPC message"))
+                self.fail(CUT_SHORT)
             return
         if self.up is None:
             self.hold(data)
@@ -168,12 +169,7 @@ class Call:
         self.charged += size
         down.pending_bytes += size
         if down.pending_bytes > down.relay.max_connection_pending:
-            self.fail(
-                Refuse(
-                    RESOURCE_EXHAUSTED,
-                    "too many request bytes waiting on this connection; retry when its other calls have been admitted",
-                )
-            )
+            self.fail(CONNECTION_FULL)
             return False
         return True
 
