@@ -192,10 +192,15 @@ class _Writer:
         self._stream_id = stream_id
         self._writable: asyncio.Future[None] | None = None
 
-    async def write(self, message: bytes) -> None:
+    def send(self, message: bytes) -> None:
+        """Queue a message on the stream, however much is queued already."""
         peer = self._peer
         peer.h2.send_data(self._stream_id, framing.frame(message))
         peer.touch()
+
+    async def write(self, message: bytes) -> None:
+        self.send(message)
+        peer = self._peer
         if peer.h2.queued(self._stream_id) > WRITE_BUFFER:
             self._writable = asyncio.get_running_loop().create_future()
             peer.draining.add(self)
@@ -277,10 +282,25 @@ class ServerStream:
         """Send a message to the caller, waiting while too much is queued for it."""
         if self.finished:
             raise StreamError(Refuse(CANCELLED, "the call has ended"))
+        self._respond()
+        await self._writer.write(message)
+
+    def write_now(self, message: bytes) -> bool:
+        """Send a message to the caller if it has room (True), without waiting; False when
+        it has too much queued already (then `write` it). A call that has ended takes
+        nothing more (True)."""
+        if self.finished:
+            return True
+        if self._down.h2.queued(self.stream_id) > WRITE_BUFFER:
+            return False
+        self._respond()
+        self._writer.send(message)
+        return True
+
+    def _respond(self) -> None:
         if not self._responded:
             self._responded = True
             self._down.h2.send_response(self.stream_id, _RESPONSE)
-        await self._writer.write(message)
 
     # -- the relay's events ---------------------------------------------------------------
 

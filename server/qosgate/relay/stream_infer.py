@@ -127,6 +127,10 @@ class _Outbox:
     def full(self) -> bool:
         return self._bytes >= self._max_bytes
 
+    def idle(self) -> bool:
+        """Nothing queued and still open: a response may go out past the queue."""
+        return not self._items and not self._closed
+
     async def put(self, item: bytes) -> None:
         """Queue `item` once there is room; after `close` it is dropped (the stream ended)."""
         while self.full() and not self._closed:
@@ -365,4 +369,8 @@ class _Session:
             for entry in self._in_flight.values():
                 entry.scope.free_slot()
         self._h.heap.message(len(response))
+        # With nothing queued before it and room at the caller, a response goes out at
+        # once, without a turn of the writer (`_relay`).
+        if self._outbox.idle() and self._stream.write_now(response):
+            return
         await self._outbox.put(response)
