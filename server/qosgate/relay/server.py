@@ -54,14 +54,21 @@ _UNBOUNDED = 1 << 32
 @dataclass(frozen=True, slots=True)
 class Route:
     """Calls whose `:path` starts with `prefix` go to `pool`, asking `policy` first if set;
-    a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED. A route
-    with a `handler` is served by it message by message instead (messages.ServerStream)."""
+    a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED."""
 
     prefix: bytes
-    pool: UpstreamPool | None
+    pool: UpstreamPool
     policy: CallPolicy | None = None
     max_response_size: int = _UNBOUNDED
-    handler: Handler | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Calls whose `:path` starts with `prefix` are served by `handler` message by message
+    (messages.ServerStream), not relayed."""
+
+    prefix: bytes
+    handler: Handler
 
 
 class Call:
@@ -284,9 +291,9 @@ class Call:
 
     # -- upstream ---------------------------------------------------------------------------
 
-    def forward(self, pool: UpstreamPool | None, headers: Sequence[http2.Header], end_stream: bool) -> None:
+    def forward(self, pool: UpstreamPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
         self.sent_headers = headers
-        up = pool.pick() if pool is not None else None
+        up = pool.pick()
         if up is None:
             # The upstream's connections are down (its health check may not know yet).
             if not self.fail_over():
@@ -476,7 +483,7 @@ class DownstreamConnection(Peer):
                     self.h2.acknowledge(event.stream_id, len(event.data))
             elif isinstance(event, http2.RequestReceived):
                 route = self.relay.route_of(http2.header(event.headers, b":path") or b"")
-                if route is not None and route.handler is not None:
+                if isinstance(route, Served):
                     served = ServerStream(self, event.stream_id, event.headers, route.handler)
                     calls[event.stream_id] = served
                     if event.end_stream:
@@ -522,7 +529,7 @@ class Relay:
         refused RESOURCE_EXHAUSTED. `tls`: terminate TLS on the listener (its ALPN must
         offer h2)."""
         self._tls = tls
-        self.routes: list[Route] = []
+        self.routes: list[Route | Served] = []
         self.max_message_size = max_message_size
         self.max_concurrent_streams = max_concurrent_streams
         self.max_connection_pending = max_connection_pending
@@ -555,9 +562,9 @@ class Relay:
     def serve(self, prefix: bytes, handler: Handler) -> None:
         """Calls whose `:path` starts with `prefix` are served by `handler`, one message at
         a time (first match wins, as for `route`)."""
-        self.routes.append(Route(prefix, None, handler=handler))
+        self.routes.append(Served(prefix, handler))
 
-    def route_of(self, path: bytes) -> Route | None:
+    def route_of(self, path: bytes) -> Route | Served | None:
         for route in self.routes:
             if path.startswith(route.prefix):
                 return route
