@@ -3,10 +3,11 @@
 `Gateway` builds the domain (tenants, admission, scheduler) and the edge from a
 GatewayConfig, and owns their lifecycle. The edge is the HTTP/2 relay on `listen` (TLS
 terminated there): it serves KServe ModelInfer and ModelStreamInfer itself, under the
-gateway's policy, over persistent connections to each Triton, and hands every other call to an in-process grpcio
-server (the rest of KServe, qosgate.v1, gRPC health reflecting upstream liveness, server
-reflection) on a private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs
-it in front of a local tritonserver and stops both.
+gateway's policy, over persistent connections to each Triton, and hands every other call
+to an in-process grpcio server (the rest of KServe, qosgate.v1, gRPC health reflecting
+upstream liveness, server reflection) on a private unix socket. Prometheus metrics and the
+OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs it in front of a
+local tritonserver and stops both.
 """
 
 from __future__ import annotations
