@@ -1,5 +1,6 @@
 """The shipped clients against the real stack (Triton with smollm2 and minilm, the gateway
-in-process): the `qosgate-client` CLI and the Node.js client's own `node --test` suite."""
+in-process): the `qosgate-client` CLI, the Node.js client's own `node --test` suite, and
+KServe streaming from grpc-js (tests/integration/node/)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import require_model
+from google.protobuf import descriptor_pb2
 from gateway_harness import ACME_KEY, GatewayThread, gateway_config
 from qosgate import paths
 from qosgate.launcher import LocalTriton
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -111,3 +114,36 @@ def test_node_client_suite_streams_through_the_gateway(gateway: GatewayThread) -
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "# fail 0" in done.stdout and "# skipped 0" in done.stdout
+
+
+def test_node_grpc_js_streams_kserve_through_the_gateway(gateway: GatewayThread, tmp_path: Path) -> None:
+    """ModelStreamInfer from grpc-js: another HTTP/2 stack than grpcio's on the relay's
+    served streams. Every identity request comes back whole under its own id (protobuf.js
+    keeps only the last copy of an embedded message, so the response must carry one), and
+    the one for a model that does not exist fails in the stream, which goes on to OK."""
+    require_model("identity")
+    node = shutil.which("node")
+    assert node is not None, "node is not on PATH: install Node.js 20 (README, Requirements)"
+    descriptors = descriptor_pb2.FileDescriptorSet()
+    for module in (model_config_pb2, service_pb2):  # dependencies first
+        module.DESCRIPTOR.CopyToProto(descriptors.file.add())
+    (tmp_path / "kserve.desc").write_bytes(descriptors.SerializeToString())
+    count = 40
+    done = subprocess.run(
+        [node, str(Path(__file__).parent / "node" / "kserve_stream.js"), str(tmp_path / "kserve.desc"),
+         gateway.url, ACME_KEY, str(count)],
+        check=False,
+        env={**os.environ, "NODE_PATH": str(NODE_CLIENT / "node_modules")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["status"] == 0, result
+    answered = {r["id"]: r for r in result["responses"]}
+    assert len(result["responses"]) == count + 1
+    for n in range(count):
+        assert answered[f"node-{n}"]["error"] == ""
+        assert answered[f"node-{n}"]["values"] == [n, n + 0.5, -n, 1e6]
+    assert "no-such-model" in answered["node-missing"]["error"]  # Triton's in-band answer

@@ -125,12 +125,26 @@ def test_an_error_response_is_final() -> None:
     assert (head.id, head.is_error, head.is_final) == ("q9", True, True)
 
 
-def test_stream_response_id_restored_by_appending() -> None:
-    raw = _stream_response(final=True) + infer_wire.stream_response_id_fragment("client-1")
-    merged = service_pb2.ModelStreamInferResponse.FromString(raw)
-    assert merged.infer_response.id == "client-1"
-    assert merged.infer_response.model_name == "smollm2"
-    assert merged.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
+def test_stream_response_id_is_set_inside_the_one_infer_response() -> None:
+    original = _stream_response(final=True)
+    raw = infer_wire.with_stream_response_id(original, "client-1")
+    parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
+    assert parsed.infer_response.id == "client-1"
+    assert parsed.infer_response.model_name == "smollm2"
+    assert parsed.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
+    # One infer_response field: a parser that keeps the last occurrence of an embedded
+    # message (protobuf.js) sees the whole response too.
+    fields = [number for number, _type, _start, _end in infer_wire._fields(raw)]
+    assert fields.count(2) == 1
+    expected = service_pb2.ModelStreamInferResponse.FromString(original)
+    expected.infer_response.id = "client-1"
+    assert parsed == expected
+
+
+def test_an_error_response_gets_its_id_too() -> None:
+    raw = service_pb2.ModelStreamInferResponse(error_message="boom").SerializeToString()
+    parsed = service_pb2.ModelStreamInferResponse.FromString(infer_wire.with_stream_response_id(raw, "c2"))
+    assert (parsed.error_message, parsed.infer_response.id) == ("boom", "c2")
 
 
 def test_truncated_bytes_are_rejected(peek) -> None:

@@ -351,7 +351,7 @@ class _Session:
                     entry.end(failed=head.is_error)
                     if not (head.has_outputs or head.is_error or entry.wants_empty_final):
                         continue  # the empty final response we asked for, not the caller
-                await self._deliver(raw + infer_wire.stream_response_id_fragment(entry.client_id))
+                await self._deliver(infer_wire.with_stream_response_id(raw, entry.client_id))
         finally:
             # Requests Triton did not finish: failed if the upstream stream did. Any end
             # but OK goes to the caller, CANCELLED included (Triton gave up on the stream):

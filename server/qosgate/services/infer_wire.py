@@ -419,6 +419,25 @@ def id_fragment(request_id: str) -> bytes:
     return len_field(_ID, request_id.encode())
 
 
-def stream_response_id_fragment(request_id: str) -> bytes:
-    """Replaces the id inside a ModelStreamInferResponse's infer_response (merged)."""
-    return len_field(_STREAM_INFER_RESPONSE, len_field(_ID, request_id.encode()))
+def with_stream_response_id(buf: bytes, request_id: str) -> bytes:
+    """A ModelStreamInferResponse with its infer_response's id set to `request_id`.
+
+    The id is appended inside infer_response's own bytes (a later scalar wins), and the
+    message is written again around it. Appending a second infer_response instead would
+    rely on embedded messages being merged, which protobuf.js (under Node's grpc-js) does
+    not do: it keeps the last occurrence only, and its caller would get the id alone."""
+    id_field = len_field(_ID, request_id.encode())
+    fields = list(_fields(buf))
+    last = None
+    for index, (number, wire_type, _start, _end) in enumerate(fields):
+        if number == _STREAM_INFER_RESPONSE and wire_type == _LEN:
+            last = index
+    out = bytearray()
+    for index, (number, wire_type, start, end) in enumerate(fields):
+        if wire_type == _LEN:
+            out += len_field(number, buf[start:end] + id_field if index == last else buf[start:end])
+        else:
+            out += _varint((number << 3) | wire_type) + buf[start:end]
+    if last is None:
+        out += len_field(_STREAM_INFER_RESPONSE, id_field)
+    return bytes(out)
