@@ -141,6 +141,18 @@ def test_stream_response_id_is_set_inside_the_one_infer_response() -> None:
     assert parsed == expected
 
 
+def test_stream_response_id_after_other_fields() -> None:
+    """Not the usual layout (infer_response alone): the message is written again around it."""
+    original = service_pb2.ModelStreamInferResponse(
+        error_message="", infer_response=service_pb2.ModelInferResponse(id="q", model_name="m")
+    ).SerializeToString()
+    unknown_field = infer_wire.varint_field(15, 7)  # a field of a newer Triton, kept as it came
+    raw = infer_wire.with_stream_response_id(unknown_field + original, "c3")
+    parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
+    assert (parsed.infer_response.id, parsed.infer_response.model_name) == ("c3", "m")
+    assert raw.startswith(unknown_field)
+
+
 def test_an_error_response_gets_its_id_too() -> None:
     raw = service_pb2.ModelStreamInferResponse(error_message="boom").SerializeToString()
     parsed = service_pb2.ModelStreamInferResponse.FromString(infer_wire.with_stream_response_id(raw, "c2"))

@@ -419,6 +419,9 @@ def id_fragment(request_id: str) -> bytes:
     return len_field(_ID, request_id.encode())
 
 
+_INFER_RESPONSE_TAG = bytes(((_STREAM_INFER_RESPONSE << 3) | _LEN,))
+
+
 def with_stream_response_id(buf: bytes, request_id: str) -> bytes:
     """A ModelStreamInferResponse with its infer_response's id set to `request_id`.
 
@@ -427,6 +430,10 @@ def with_stream_response_id(buf: bytes, request_id: str) -> bytes:
     rely on embedded messages being merged, which protobuf.js (under Node's grpc-js) does
     not do: it keeps the last occurrence only, and its caller would get the id alone."""
     id_field = len_field(_ID, request_id.encode())
+    if buf[:1] == _INFER_RESPONSE_TAG:
+        length, start = _read_varint(buf, 1)
+        if start + length == len(buf):  # the usual response: its infer_response alone
+            return b"".join((_INFER_RESPONSE_TAG, _varint(length + len(id_field)), memoryview(buf)[start:], id_field))
     fields = list(_fields(buf))
     last = None
     for index, (number, wire_type, _start, _end) in enumerate(fields):
