@@ -473,8 +473,12 @@ class DownstreamConnection(Peer):
         return [*(h for h in headers if not h[0].startswith(PEER_HEADER_PREFIX)), *self._certificate_headers]
 
     def handle(self, events: list[http2.Event]) -> None:
+        # Most frequent first: this runs for every frame a caller sends, and a unary call
+        # brings two WINDOW_UPDATEs (nothing to do: the session applies them itself).
         calls = self.calls
         for event in events:
+            if isinstance(event, http2.WindowUpdated):
+                continue
             if isinstance(event, http2.DataReceived):
                 call = calls.get(event.stream_id)
                 if call is not None:
@@ -492,14 +496,14 @@ class DownstreamConnection(Peer):
                     call = Call(self, event.stream_id, event.headers)
                     calls[event.stream_id] = call
                     call.start(route, event.end_stream)
-            elif isinstance(event, http2.StreamReset):
-                call = calls.get(event.stream_id)
-                if call is not None:
-                    call.client_reset(event.error_code)
             elif isinstance(event, http2.StreamClosed):
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
                     call.client_closed()
+            elif isinstance(event, http2.StreamReset):
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.client_reset(event.error_code)
             elif isinstance(event, http2.TrailersReceived):
                 call = calls.get(event.stream_id)
                 if call is not None:  # gRPC callers send none; treat as the end of input
@@ -594,7 +598,7 @@ def _merge(headers: Sequence[http2.Header], changes: Sequence[http2.Header]) -> 
     if not changes:
         return headers
     names = {name for name, _ in changes}
-    return [*(h for h in headers if h[0] not in names), *changes]
+    return [h for h in headers if h[0] not in names] + list(changes)
 
 
 def _status_of(headers: Sequence[http2.Header]) -> int | None:

@@ -63,8 +63,11 @@ class UpstreamConnection(Peer):
             self.ready.set_result(None)
 
     def handle(self, events: list[http2.Event]) -> None:
+        # Most frequent first (see DownstreamConnection.handle).
         streams = self.streams
         for event in events:
+            if isinstance(event, http2.WindowUpdated):
+                continue
             if isinstance(event, http2.DataReceived):
                 listener = streams.get(event.stream_id)
                 if listener is not None:
@@ -79,17 +82,15 @@ class UpstreamConnection(Peer):
                 listener = streams.get(event.stream_id)
                 if listener is not None:
                     listener.upstream_trailers(event.headers)
-            elif isinstance(event, http2.StreamReset):
-                listener = streams.get(event.stream_id)
-                if listener is not None:
-                    listener.upstream_reset(event.error_code)
             elif isinstance(event, http2.StreamClosed):
                 listener = streams.pop(event.stream_id, None)
                 if listener is not None:
                     listener.upstream_closed()
-            elif isinstance(event, http2.GoAwayReceived):
-                self.draining_away = True
-            elif isinstance(event, http2.ConnectionClosed):
+            elif isinstance(event, http2.StreamReset):
+                listener = streams.get(event.stream_id)
+                if listener is not None:
+                    listener.upstream_reset(event.error_code)
+            elif isinstance(event, (http2.GoAwayReceived, http2.ConnectionClosed)):
                 self.draining_away = True
 
     def lost(self) -> None:

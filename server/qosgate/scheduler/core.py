@@ -221,7 +221,10 @@ class _ModelQueues:
         below = 0
         for klass in reversed(classes[level + 1 :]):
             below = min(below + klass.in_flight, klass.window)
-        return sum(k.in_flight for k in classes[: level + 1]) + below < classes[level].window
+        held = below
+        for klass in classes[: level + 1]:
+            held += klass.in_flight
+        return held < classes[level].window
 
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
