@@ -8,7 +8,8 @@ import json
 import pathlib
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.stats import percentile
@@ -47,9 +48,14 @@ class PerfAnalyzerFailed(RuntimeError):
 def measure(
     *, url: str, model: str, concurrency: int, settings: PerfSettings,
     shape: Sequence[str] = (), headers: Sequence[str] = (), extra: Sequence[str] = (),
-    timeout: float = 300.0,
+    timeout: float = 300.0, watch: Callable[[], str | None] | None = None,
 ) -> PerfPoint:
-    """One concurrency level against a gRPC target; `headers` go out as gRPC metadata."""
+    """One concurrency level against a gRPC target; `headers` go out as gRPC metadata.
+
+    `watch` is asked twice a second while perf_analyzer runs: what it returns (say, "Triton
+    exited") stops the run with that reason. perf_analyzer itself waits forever for the
+    responses of a server that died under it.
+    """
     with tempfile.TemporaryDirectory(prefix="perf-") as tmp:
         export = pathlib.Path(tmp) / "profile.json"
         cmd = [
@@ -58,14 +64,35 @@ def measure(
             "--profile-export-file", str(export),
             *(f"--shape={s}" for s in shape), *(a for h in headers for a in ("-H", h)), *extra,
         ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        if out.returncode != 0 or not export.exists():
-            raise PerfAnalyzerFailed(
-                f"perf_analyzer exited {out.returncode} for {model} at {url}:\n"
-                f"{(out.stdout + out.stderr)[-2000:]}"
-            )
+        output = pathlib.Path(tmp) / "output.txt"
+        with output.open("wb") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            reason = _wait(proc, timeout, watch)
+        tail = output.read_text(errors="replace")[-2000:]
+        if reason is not None:
+            raise PerfAnalyzerFailed(f"perf_analyzer stopped for {model} at {url}: {reason}\n{tail}")
+        if proc.returncode != 0 or not export.exists():
+            raise PerfAnalyzerFailed(f"perf_analyzer exited {proc.returncode} for {model} at {url}:\n{tail}")
         experiment = json.loads(export.read_text())["experiments"][0]
     return summarise(concurrency, experiment)
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float, watch: Callable[[], str | None] | None) -> str | None:
+    """Wait for `proc`; kill it and say why if `timeout` passes or `watch` objects first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            proc.wait(timeout=0.5)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        reason = watch() if watch is not None else None
+        if reason is None and time.monotonic() > deadline:
+            reason = f"no result after {timeout:.0f}s"
+        if reason is not None:
+            proc.kill()
+            proc.wait()
+            return reason
 
 
 def summarise(concurrency: int, experiment: dict[str, Any]) -> PerfPoint:

@@ -219,6 +219,16 @@ class Stack:
         assert self.triton is not None
         return self.triton.ports.grpc_url
 
+    def triton_failure(self) -> str | None:
+        """Why a Triton replica is gone, with its log tail; None while all of them run
+        (`perf.measure`'s `watch`)."""
+        for replica in self.replicas:
+            code = replica.exit_code()
+            if code is not None:
+                how = f"signal {-code}" if code < 0 else f"exit status {code}"
+                return f"tritonserver on {replica.ports.grpc_url} died ({how}); log tail:\n{replica.log_tail(20)}"
+        return None
+
     def pending(self, model: str) -> int:
         """Requests the Tritons hold for `model` (queued or executing), from their metrics."""
         total = 0

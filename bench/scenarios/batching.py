@@ -64,7 +64,8 @@ def run(ctx: RunContext) -> ScenarioResult:
                            triton_args=["--model-load-thread-count=1"])) as stack:
             for variant in variants:
                 points[variant] = perf.measure(url=stack.triton_url, model=variant.name,
-                                               concurrency=concurrency, settings=settings)
+                                               concurrency=concurrency, settings=settings,
+                                               watch=stack.triton_failure)
                 log.info("%s: %.1f infer/s p50 %.1f ms", variant.name, points[variant].throughput,
                          points[variant].p50_us / 1e3)
     rows = [{"max_batch_size": v.max_batch, "queue delay us": v.delay_us,

@@ -230,6 +230,11 @@ class LocalTriton:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def exit_code(self) -> int | None:
+        """The server's exit status if it has exited since start (a negative one is the
+        signal that ended it), None while it runs or when it was not started."""
+        return self._proc.poll() if self._proc else None
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
