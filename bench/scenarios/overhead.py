@@ -116,8 +116,8 @@ def run(ctx: RunContext) -> ScenarioResult:
         for name, url, hop in targets:
             samples.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, streaming=True)))
         if stack.gateway is not None and profile.py_spy() is not None:
-            busy = next(s for c, s in samples if c == BUSY and s.target == "qosgate" and not s.streaming)
-            found = profile_gateway(stack, stack.gateway_url, BUSY, busy.point.throughput, ctx.pick(5.0, 15.0))
+            measured = next(s for c, s in samples if c == BUSY and s.target == "qosgate" and not s.streaming)
+            found = profile_gateway(stack, stack.gateway_url, BUSY, measured.point.throughput, ctx.pick(5.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {BUSY} "
                          "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
     figures, tables = summarise(samples, levels)
