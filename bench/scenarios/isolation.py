@@ -54,8 +54,13 @@ REFUSALS_AT_PRIORITY = "qosgate, refusal loops at normal priority"
 REFUSALS_ELSEWHERE = "qosgate, refusal loops at a second gateway"
 LOADS = (0, 2, 4)  # flood as a multiple of measured capacity; 0 = unloaded
 CAPACITY_DEPTH = 64  # minilm batches up to 32
-# As in config/demo.yaml: vLLM batches continuously, so a wider window keeps it busy.
-DISPATCH_WINDOWS = {"minilm": {"dispatch_window": 8}, "smollm2": {"dispatch_window": 16}}
+# As in config/demo.yaml: vLLM batches continuously, so a wider window keeps it busy;
+# minilm's batcher runs one batch at a time, so batch work waits while a critical request
+# is at Triton (`exclusive_classes`).
+MODEL_POLICIES = {
+    "minilm": {"dispatch_window": 8, "exclusive_classes": ["critical"]},
+    "smollm2": {"dispatch_window": 16},
+}
 
 
 @dataclasses.dataclass(slots=True)
@@ -203,7 +208,7 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
                 log.info("%s", phase.row())
                 phases.append(phase)
             if name == "qosgate" and work.refusal_loops:
-                elsewhere = load.Target(stack.start_second_gateway(tenants=TENANTS, models=DISPATCH_WINDOWS),
+                elsewhere = load.Target(stack.start_second_gateway(tenants=TENANTS, models=MODEL_POLICIES),
                                         target.epoch)
                 try:
                     for nice, loops_at in ((flood_process.NICE, None), (0, None), (flood_process.NICE, elsewhere)):
@@ -257,7 +262,7 @@ def run(ctx: RunContext) -> ScenarioResult:
              + "; smollm2 streams of 16 tokens (ignore_eos); deadlines critical/batch "
              + ", ".join(f"{w.model} {w.timeout:g}/{w.batch_timeout:g} s" for w in works)
              + "; direct = Triton priority 1 (critical) / 4 (batch); "
-             "qosgate dispatch windows " + ", ".join(f"{m} {p['dispatch_window']}" for m, p in DISPATCH_WINDOWS.items())
+             "qosgate model policies " + "; ".join(f"{m} {p}" for m, p in MODEL_POLICIES.items())
              + f"; refusal loops: {REFUSAL_LOOPS} callers of a tenant limited to 1 request/s retrying "
              "without pause (minilm, through qosgate)"
              + f"; floods and refusal loops are sent from a process of their own at nice {flood_process.NICE} "
@@ -270,7 +275,7 @@ def run(ctx: RunContext) -> ScenarioResult:
     for work in works:
         with checked(Stack(models=[work.model])) as stack:
             if gateway_available():
-                stack.start_gateway(tenants=TENANTS, models=DISPATCH_WINDOWS)
+                stack.start_gateway(tenants=TENANTS, models=MODEL_POLICIES)
             cap, model_phases, found = asyncio.run(measure_model(stack, work, seconds, ctx.pick(5.0, 15.0)))
         capacities[work.model] = cap
         phases += model_phases

@@ -368,6 +368,13 @@ class ModelPolicy(_Frozen):
     dimension of a KServe call's first input), `byte` 1 per byte of the request."""
     max_queued: int = Field(default=2000, ge=1)
     """Requests queued for this model (all classes) before overload shedding starts."""
+    exclusive_classes: list[str] = Field(default_factory=list)
+    """Classes that have the model's engine to themselves: while a request of one of them
+    is in flight at Triton, requests of the classes below it wait in the gateway (a lower
+    class whose floor is due still goes). For an engine that runs one batch at a time
+    (Triton's dynamic batcher): lower-class work sent after such a request cannot join
+    its batch, nor keep the model's instances busy while it waits. Not for LLMs, whose
+    requests stay in flight for a whole generation."""
     adapter: Literal["vllm", "trtllm"] = "vllm"
     """Generation API only: the model's tensor contract, `vllm` (vLLM backend) or `trtllm`
     (TensorRT-LLM ensemble)."""
@@ -679,6 +686,12 @@ class GatewayConfig(_Frozen):
                 yield unknown(f"scheduler.max_queue_length_by_class.{klass}", klass)
             elif length < 1:
                 yield _FieldProblem(f"scheduler.max_queue_length_by_class.{klass}", "must be >= 1")
+        policies = {f"models.{name}": policy for name, policy in self.models.items()}
+        policies["default_model_policy"] = self.default_model_policy
+        for where, policy in policies.items():
+            for i, klass in enumerate(policy.exclusive_classes):
+                if klass not in levels:
+                    yield unknown(f"{where}.exclusive_classes[{i}]", klass)
         for i, klass in enumerate(sched.sheddable_classes or ()):
             if klass not in levels:
                 yield unknown(f"scheduler.sheddable_classes[{i}]", klass)

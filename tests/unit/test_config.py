@@ -60,6 +60,7 @@ EXPECTED_ERRORS = {
     "floor_shares_too_large": (
         "scheduler: floor shares of the lower classes must sum to less than 1"
     ),
+    "exclusive_unknown_class": f"models.minilm.exclusive_classes[1]: unknown class 'gold' {CLASSES}",
     "floor_unknown_class": f"scheduler.floor_share_by_class.gold: unknown class 'gold' {CLASSES}",
     "job_store_bad_url": (
         "job_store.postgres_url: must start with postgresql:// or postgres://"

@@ -21,12 +21,16 @@ from tests.fakes import FakeClock, make_tenant
 MODEL = "m"
 
 
-def config(window: int = 1, max_queued: int = 10_000, **scheduler: Any) -> GatewayConfig:
+def config(
+    window: int = 1, max_queued: int = 10_000, exclusive: Sequence[str] = (), **scheduler: Any
+) -> GatewayConfig:
     scheduler.setdefault("floor_share", 0.0)
     scheduler.setdefault("window_reserve", 0.0)
     return parse_config(
         {
-            "models": {MODEL: {"dispatch_window": window, "max_queued": max_queued}},
+            "models": {
+                MODEL: {"dispatch_window": window, "max_queued": max_queued, "exclusive_classes": list(exclusive)}
+            },
             "scheduler": scheduler,
         }
     )
@@ -321,6 +325,49 @@ def test_work_over_a_shrunk_window_does_not_take_the_slots_reserved_above_it() -
     (refill,) = h.release(vip[0])
     assert refill.klass == "interactive"
     assert h.release(vip[1]) == []  # 2 in flight: batch's limit
+
+
+@pytest.mark.parametrize("exclusive", [(), ("critical",)])
+def test_an_exclusive_class_holds_the_classes_below_while_it_is_in_flight(exclusive: tuple[str, ...]) -> None:
+    h = Harness(config(window=8, exclusive=exclusive), fill_window=False)
+    assert all(h.submit("bulk", "batch").state is WaiterState.DISPATCHED for _ in range(2))
+    vip = h.submit("vip", "critical")
+    assert vip.state is WaiterState.DISPATCHED
+    later = [h.submit("bulk", "batch"), h.submit("app", "interactive")]
+    if not exclusive:  # the window has room: lower classes join the critical request
+        assert [w.state for w in later] == [WaiterState.DISPATCHED] * 2
+        return
+    # Held in the gateway though the window has room, and not by it: an `auto` window
+    # must not grow for them.
+    assert [w.state for w in later] == [WaiterState.QUEUED] * 2
+    assert not h.core.window_pressure(MODEL)[0]
+    assert h.submit("vip", "critical").state is WaiterState.DISPATCHED  # its own class goes
+    assert h.release(h.in_flight[0]) == []  # batch work finishing frees nothing for them
+    assert h.release(vip) == []  # the other critical request still holds them
+    # The last one out lets them go, highest class first.
+    assert [w.klass for w in h.release(h.in_flight[-1])] == ["interactive", "batch"]
+    assert h.submit("bulk", "batch").state is WaiterState.DISPATCHED
+
+
+def test_an_exclusive_class_holds_only_the_classes_below_it() -> None:
+    h = Harness(config(window=8, exclusive=("interactive",)), fill_window=False)
+    assert h.submit("app", "interactive").state is WaiterState.DISPATCHED
+    assert h.submit("vip", "critical").state is WaiterState.DISPATCHED
+    assert h.submit("web", "standard").state is WaiterState.QUEUED
+    # A critical request in flight holds nobody: critical is not exclusive here.
+    h.release(h.in_flight[0])
+    assert [w.klass for w in h.in_flight] == ["critical", "standard"]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.25])
+def test_a_due_floor_overrides_an_exclusive_hold(floor: float) -> None:
+    h = Harness(config(window=4, exclusive=("critical",), floor_share_by_class={"batch": floor}))
+    for _ in range(100):
+        h.submit("flood", "critical")
+        h.submit("bulk", "batch")
+    # Critical requests are always in flight, so batch goes only when its floor is due.
+    counts = Counter(h.next_dispatched().klass for _ in range(100))
+    assert counts["batch"] == (0 if floor == 0 else pytest.approx(25, abs=1))
 
 
 def test_a_due_floor_may_use_the_reserved_slots() -> None:

@@ -20,6 +20,10 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
   below it only up to their limits, so a critical request never waits for batch work
   admitted under a larger window to finish. A class whose floor credit is due may use
   the whole window, or a flood of higher classes could starve it.
+- A model's exclusive classes (`exclusive_classes`) hold the classes below them while
+  they have a request in flight: on an engine that runs one batch at a time, lower-class
+  work sent meanwhile would join that request's batch or start one before it. A due
+  floor overrides this too.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
 - A request whose deadline has passed is dropped instead of dispatched.
@@ -208,8 +212,23 @@ class _ModelQueues:
     window: int
     max_queued: int
     classes: list[_ClassQueue]  # highest first
+    # Levels of the exclusive classes, highest first: each holds the classes below it.
+    exclusive: tuple[int, ...] = ()
     in_flight: int = 0
     queued: int = 0
+
+    def held(self, level: int) -> bool:
+        """Whether an exclusive class above `level` has a request in flight."""
+        for top in self.exclusive:
+            if top >= level:
+                return False
+            if self.classes[top].in_flight:
+                return True
+        return False
+
+    def may_dispatch(self, level: int) -> bool:
+        """Whether class `level` may dispatch now (its floor aside)."""
+        return self.has_room(level) and not (self.exclusive and self.held(level))
 
     def has_room(self, level: int) -> bool:
         """Whether class `level` may dispatch: what is in flight is below its nested limit,
@@ -240,7 +259,7 @@ class _ModelQueues:
                 continue
             credit = queue.credit + queue.floor
             is_due = below_window and credit >= 1.0 - _CREDIT_EPSILON and (due is None or credit > due_credit)
-            wants_top = top is None and self.has_room(level)
+            wants_top = top is None and self.may_dispatch(level)
             if not (is_due or wants_top):
                 continue
             tenant = queue.fairest(fits)
@@ -303,6 +322,7 @@ class SchedulingCore:
             queues = self._models[model] = _ModelQueues(
                 window=window,
                 max_queued=policy.max_queued,
+                exclusive=tuple(sorted(self._levels[klass] for klass in set(policy.exclusive_classes))),
                 classes=[
                     _ClassQueue(
                         name=klass,
@@ -370,10 +390,11 @@ class SchedulingCore:
         model = self._queues(waiter.model)
         klass = model.classes[level]
         # Nothing of this class or above that could go is queued while in_flight is below
-        # this class's limit (every event that frees room or tokens refills), so room, the
-        # tenant's token quota and its FIFO order (nothing of it waiting) suffice.
+        # this class's limit and nothing holds it (every event that frees room or tokens,
+        # or ends a hold, refills), so room, no hold, the tenant's token quota and its FIFO
+        # order (nothing of it waiting) suffice.
         if (
-            model.has_room(level)
+            model.may_dispatch(level)
             and self._fits(waiter)
             and not klass.has_queued(waiter.tenant)
         ):
