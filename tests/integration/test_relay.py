@@ -351,6 +351,58 @@ def test_cancel_reaches_triton(relay, triton) -> None:
         client.update_log_settings({"log_verbose_level": 0})
 
 
+def test_a_caller_that_cancels_every_call_keeps_its_connection(relay) -> None:
+    """Cancelling is ordinary gRPC (a deadline, a caller done with a stream): one that
+    resets thousands of live streams, faster than nghttp2's rapid-reset guard allows by
+    default (1,000 at once, then 33/s), keeps its connection, as at Triton."""
+    message = service_pb2.ModelInferRequest(model_name=MODEL, inputs=[_inputs(_values())[0]._get_tensor()])
+    message.raw_input_contents.append(_values().tobytes())
+    body = message.SerializeToString()
+    framed = b"\0" + len(body).to_bytes(4, "big") + body
+    conn = ngh2.Connection(ngh2.Role.CLIENT, ngh2.Configuration())
+    conn.initiate_connection({})
+    sock = socket.create_connection(("127.0.0.1", relay.port))
+    sock.settimeout(0.005)
+    events: list[ngh2.Event] = []
+
+    def exchange() -> None:
+        sock.sendall(conn.data_to_send())
+        while True:
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                return
+            assert data, "the relay closed the connection"
+            conn.receive_data(data)
+            events.extend(conn.events())
+
+    def headers(method: str) -> list[tuple[bytes, bytes]]:
+        return [(b":method", b"POST"), (b":scheme", b"http"), (b":path", f"/inference.GRPCInferenceService/{method}".encode()),
+                (b":authority", b"relay"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]  # fmt: skip
+
+    try:
+        for _ in range(100):  # 2,000 streams, 20 at a time, each reset while its call runs
+            streams = [conn.send_request(headers("ModelStreamInfer")) for _ in range(20)]
+            for stream in streams:
+                conn.send_data(stream, framed)  # our half stays open: the stream is live
+            exchange()
+            for stream in streams:
+                conn.reset_stream(stream, int(ngh2.ErrorCode.CANCEL))
+            exchange()
+            assert not any(isinstance(e, ngh2.GoAwayReceived) for e in events)
+        # The same connection still serves calls.
+        last = conn.send_request(headers("ModelInfer"))
+        conn.send_data(last, framed, end_stream=True)
+        deadline = time.monotonic() + 30
+        while not any(isinstance(e, ngh2.TrailersReceived) and e.stream_id == last for e in events):
+            assert time.monotonic() < deadline, "no answer on the connection after the resets"
+            exchange()
+    finally:
+        sock.close()
+    (trailers,) = [e for e in events if isinstance(e, ngh2.TrailersReceived) and e.stream_id == last]
+    assert http2.header(trailers.headers, b"grpc-status") == b"0"
+
+
 def test_slow_reader_is_bounded_and_slows_only_itself(relay) -> None:
     """A raw HTTP/2 client that never opens its window: the relay takes no more of its
     response from Triton than one stream window, and other calls go on meanwhile."""

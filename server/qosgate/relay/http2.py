@@ -14,6 +14,8 @@ relay's tests check through real peers:
 - `queued_body_size` of a closed stream is 0 and `reset_stream` of one is a no-op, but
   `send_data`/`end_stream`/`send_trailers` raise StreamProtocolError ("stream has no open
   body") once the peer reset it: the relay checks its own view of the stream first.
+- A server connection whose peer resets streams faster than `stream_reset_rate_limit`
+  gets GOAWAY from nghttp2 itself, not an error here (see RESET_BURST).
 - The connection window is a separate setting (`set_local_window_size`, stream 0) from
   SETTINGS_INITIAL_WINDOW_SIZE, which only covers streams.
 """
@@ -64,6 +66,15 @@ STREAM_WINDOW = 1 << 20
 # Connection receive window: how much many streams together may have in flight.
 CONNECTION_WINDOW = 64 << 20
 MAX_FRAME_SIZE = 1 << 16
+# nghttp2 sends GOAWAY (INTERNAL_ERROR) to a caller that resets streams faster than a
+# token bucket allows, a guard against HTTP/2 "rapid reset"; its default (1,000 at once,
+# then 33/s) cut off callers doing nothing wrong: cancelling is ordinary gRPC (a deadline,
+# a caller done with a stream), and one under load resets as many streams as it opens.
+# A reset here costs no more than the call it ends (the upstream stream is reset at once,
+# the policy's slot freed), so the bucket only stops resets beyond the calls a second
+# one relay could serve.
+RESET_BURST = 10_000
+RESET_RATE = 10_000
 
 
 def header(headers: Iterable[Header], name: bytes) -> bytes | None:
@@ -81,7 +92,8 @@ class Http2Connection:
 
     def __init__(self, *, server: bool, max_concurrent_streams: int) -> None:
         role = ngh2.Role.SERVER if server else ngh2.Role.CLIENT
-        self._conn = ngh2.Connection(role, ngh2.Configuration(auto_window_update=False))
+        config = ngh2.Configuration(auto_window_update=False, stream_reset_rate_limit=(RESET_BURST, RESET_RATE))
+        self._conn = ngh2.Connection(role, config)
         self._conn.initiate_connection(
             {
                 ngh2.Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
@@ -129,9 +141,6 @@ class Http2Connection:
     def acknowledge(self, stream_id: int, amount: int) -> None:
         """Open the peer's windows by `amount` bytes of this stream that were passed on."""
         self._conn.acknowledge_received_data(amount, stream_id)
-
-    def goaway(self) -> None:
-        self._conn.send_goaway()
 
     @property
     def wants_write(self) -> bool:
