@@ -231,11 +231,11 @@ class _ModelQueues:
         return self.has_room(level) and not (self.exclusive and self.held(level))
 
     def has_room(self, level: int) -> bool:
-        """Whether class `level` may dispatch: what is in flight is below its nested limit,
-        counting the classes below it only up to what their own limits let them hold. So
-        after the window shrinks, lower-class work still in flight over those limits drains
-        without taking the slots reserved for the classes above (in flight may then exceed
-        the window by at most those reserved slots)."""
+        """Whether class `level`'s share of the window has room: what is in flight is below
+        its nested limit, counting the classes below it only up to what their own limits let
+        them hold. So after the window shrinks, lower-class work still in flight over those
+        limits drains without taking the slots reserved for the classes above (in flight may
+        then exceed the window by at most those reserved slots)."""
         classes = self.classes
         below = 0
         for klass in reversed(classes[level + 1 :]):
