@@ -9,6 +9,7 @@ Every KServe RPC must behave exactly as against Triton itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import re
 import socket
@@ -401,6 +402,29 @@ def test_a_caller_that_cancels_every_call_keeps_its_connection(relay) -> None:
         sock.close()
     (trailers,) = [e for e in events if isinstance(e, ngh2.TrailersReceived) and e.stream_id == last]
     assert http2.header(trailers.headers, b"grpc-status") == b"0"
+
+
+def test_a_connection_that_nghttp2_ends_is_logged(relay, caplog) -> None:
+    """nghttp2 ends a connection itself, GOAWAY and all, when a guard against abusive peers
+    trips; the relay says so, since the caller's calls end with it. Here the guard is the
+    glitch bucket (10,000 at once, then 330/s), and each PRIORITY frame is one."""
+    conn = ngh2.Connection(ngh2.Role.CLIENT, ngh2.Configuration())
+    conn.initiate_connection({})
+    # PRIORITY (type 2), 5 bytes: no dependency, weight 16; one per idle stream.
+    priorities = b"".join(
+        b"\0\0\x05\x02\0" + stream.to_bytes(4, "big") + b"\0\0\0\0\x0f" for stream in range(1, 24_000, 2)
+    )
+    received = bytearray()
+    with caplog.at_level(logging.WARNING), socket.create_connection(("127.0.0.1", relay.port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(conn.data_to_send() + priorities)
+        while chunk := sock.recv(1 << 16):  # until the relay closes the connection
+            received += chunk
+    conn.receive_data(bytes(received))
+    goaways = [e for e in conn.events() if isinstance(e, ngh2.GoAwayReceived)]
+    assert [e.error_code for e in goaways] == [ngh2.ErrorCode.ENHANCE_YOUR_CALM]
+    assert "nghttp2 ended the HTTP/2 connection" in caplog.text
+    assert "a guard against abusive peers tripped" in caplog.text
 
 
 def test_slow_reader_is_bounded_and_slows_only_itself(relay) -> None:

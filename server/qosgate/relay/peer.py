@@ -153,6 +153,8 @@ class Peer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.dirty = False
         self.closed = False
+        self.went_away = False  # the peer sent GOAWAY (subclasses' handle sets it)
+        self._ended = False  # the session is over and the transport closing
         self._paused = False
         # Pipes whose sink is this connection and whose source still waits for acks, and
         # message streams (messages.py) waiting for their queued bytes to go out.
@@ -170,6 +172,7 @@ class Peer(asyncio.Protocol):
             events = self.h2.feed(data)
         except http2.ProtocolError as e:
             log.info("closing an HTTP/2 connection after a protocol error: %s", e)
+            self._ended = True
             self.write_out()  # the GOAWAY saying why
             if self.transport is not None:
                 self.transport.close()
@@ -223,6 +226,16 @@ class Peer(asyncio.Protocol):
                 if not waiting.settle():
                     self.draining.discard(waiting)
         if not (self.h2.wants_read or self.h2.wants_write):
+            if not (self._ended or self.went_away):
+                # Neither a protocol error nor the peer's GOAWAY: nghttp2 ended the session
+                # itself, which it does (GOAWAY and all) when a guard against abusive peers
+                # trips. The peer's calls end with it, so say so.
+                log.warning(
+                    "relay: nghttp2 ended the HTTP/2 connection with %s: a guard against abusive "
+                    "peers tripped (stream resets, protocol glitches or unanswered control frames)",
+                    transport.get_extra_info("peername"),
+                )
+            self._ended = True
             transport.close()
 
     def abort(self) -> None:

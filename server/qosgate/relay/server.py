@@ -508,6 +508,8 @@ class DownstreamConnection(Peer):
                 call = calls.get(event.stream_id)
                 if call is not None:  # gRPC callers send none; treat as the end of input
                     call.client_data(b"", True)
+            elif isinstance(event, http2.GoAwayReceived):
+                self.went_away = True
 
     def lost(self) -> None:
         self.relay.clients.discard(self)

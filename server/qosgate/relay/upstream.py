@@ -42,7 +42,6 @@ class UpstreamConnection(Peer):
         super().__init__(flusher, server=False, max_concurrent_streams=_MAX_STREAMS_ADVERTISED)
         self.name = name
         self.streams: dict[int, StreamListener] = {}
-        self.draining_away = False  # the server sent GOAWAY: no new streams here
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def open_stream(
@@ -55,7 +54,8 @@ class UpstreamConnection(Peer):
 
     @property
     def usable(self) -> bool:
-        return self.transport is not None and not self.closed and not self.draining_away
+        # After the server's GOAWAY, no new streams here.
+        return self.transport is not None and not self.closed and not self.went_away
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -91,7 +91,7 @@ class UpstreamConnection(Peer):
                 if listener is not None:
                     listener.upstream_reset(event.error_code)
             elif isinstance(event, (http2.GoAwayReceived, http2.ConnectionClosed)):
-                self.draining_away = True
+                self.went_away = True
 
     def lost(self) -> None:
         if not self.ready.done():
