@@ -418,11 +418,15 @@ def test_a_connection_that_nghttp2_ends_is_logged(relay, caplog) -> None:
     with caplog.at_level(logging.WARNING), socket.create_connection(("127.0.0.1", relay.port)) as sock:
         sock.settimeout(30)
         sock.sendall(conn.data_to_send() + priorities)
-        while chunk := sock.recv(1 << 16):  # until the relay closes the connection
-            received += chunk
+        try:
+            while chunk := sock.recv(1 << 16):  # until the relay closes the connection
+                received += chunk
+        except ConnectionResetError:
+            pass  # closed with some of our frames unread: the GOAWAY may be lost with them
     conn.receive_data(bytes(received))
     goaways = [e for e in conn.events() if isinstance(e, ngh2.GoAwayReceived)]
-    assert [e.error_code for e in goaways] == [ngh2.ErrorCode.ENHANCE_YOUR_CALM]
+    assert [e.error_code for e in goaways] in ([ngh2.ErrorCode.ENHANCE_YOUR_CALM], [])
+    # The warning is written before the connection closes.
     assert "nghttp2 ended the HTTP/2 connection" in caplog.text
     assert "a guard against abusive peers tripped" in caplog.text
 
