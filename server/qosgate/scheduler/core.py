@@ -240,10 +240,10 @@ class _ModelQueues:
         below = 0
         for klass in reversed(classes[level + 1 :]):
             below = min(below + klass.in_flight, klass.window)
-        held = below
+        taken = below
         for klass in classes[: level + 1]:
-            held += klass.in_flight
-        return held < classes[level].window
+            taken += klass.in_flight
+        return taken < classes[level].window
 
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
