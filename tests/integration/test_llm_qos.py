@@ -29,13 +29,16 @@ LONG_TOKENS, SHORT_TOKENS = 128, 8
 WINDOW = 8
 STREAMS = 12  # per tenant: together well above the window, so queues form in the gateway
 # Start-time fair queueing charges a request's whole estimated cost when it is dispatched,
-# and a 128-token generation runs ~16 s here: the shares settle only over a few of them.
-# The warm-up lets every window slot turn over once; the measured interval lasts until the
-# engine has delivered this much token service (about 25 s on an unloaded 2-core machine),
-# so a slow or briefly stalled engine lengthens the measurement instead of judging
-# fairness on a handful of tokens; MEASURE_CAP_S bounds it.
+# and a 128-token generation runs ~6 s on an unloaded 2-core machine (longer when loaded):
+# the shares settle only over a few of them. The warm-up lets every window slot turn over
+# once. The measured interval lasts at least MEASURE_MIN_S and until the engine has
+# delivered MEASURE_SERVICE token service (~350/s here), so a slow engine lengthens the
+# measurement instead of judging fairness on a handful of tokens, and a stall of the
+# gateway's process (during which the engine finishes its short generations and runs only
+# the long ones, nothing new being dispatched) is diluted instead of deciding the ratio;
+# MEASURE_CAP_S bounds it.
 WARMUP_S = 10.0
-MEASURE_SERVICE, MEASURE_CAP_S = 3000.0, 150.0
+MEASURE_MIN_S, MEASURE_SERVICE, MEASURE_CAP_S = 20.0, 3000.0, 150.0
 OUTPUT_WEIGHT = 2  # VTC's w: the token service counted is prompt + 2 x completion
 
 
@@ -126,7 +129,7 @@ async def _saturate(url: str) -> tuple[float, float, str]:
                 if loop.done():
                     loop.result()  # a stream that failed fails the test with its error
             delivered = sum(service.between(lo, now) for service in services.values())
-            if delivered >= MEASURE_SERVICE or now - lo >= MEASURE_CAP_S:
+            if (delivered >= MEASURE_SERVICE and now - lo >= MEASURE_MIN_S) or now - lo >= MEASURE_CAP_S:
                 break
     finally:
         for loop in loops:

@@ -187,13 +187,22 @@ async def test_a_replica_killed_under_load_loses_no_call_that_had_not_started(re
                 except grpc.aio.AioRpcError as e:
                     codes.append(e.code().name)
 
+        async def calls_past(count: int, at_least_s: float) -> None:
+            """Waits at_least_s, then on until more than `count` calls have ended (the
+            callers share the CPU with six generations: on a loaded machine a call can
+            take seconds), for 30 s at most."""
+            await asyncio.sleep(at_least_s)
+            deadline = time.monotonic() + 30
+            while len(codes) <= count and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
         callers = [asyncio.ensure_future(caller()) for _ in range(8)]
-        await asyncio.sleep(1.0)
+        await calls_past(0, 1.0)
         before_kill = len(codes)
-        # 1500 tokens outlast the second above on any CPU: every stream still runs.
+        # 1500 tokens outlast the wait above on any CPU: every stream still runs.
         assert not any(end.done() for end in stream_ends), [end.result() for end in stream_ends if end.done()]
         os.killpg(victim.pid, signal.SIGKILL)
-        await asyncio.sleep(3.0)
+        await calls_past(before_kill, 3.0)
         stop.set()
         await asyncio.gather(*callers)
         # The victim's streams (at least two, by the load bound) end as its connection
