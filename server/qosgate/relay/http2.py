@@ -71,8 +71,8 @@ MAX_FRAME_SIZE = 1 << 16
 # then 33/s) cut off callers doing nothing wrong: cancelling is ordinary gRPC (a deadline,
 # a caller done with a stream), and one under load resets as many streams as it opens.
 # A reset here costs no more than the call it ends (the upstream stream is reset at once,
-# the policy's slot freed), so the bucket only stops resets beyond the calls a second
-# one relay could serve.
+# the policy's slot freed), so the bucket only stops resets beyond the calls one relay
+# could serve in a second.
 RESET_BURST = 10_000
 RESET_RATE = 10_000
 
