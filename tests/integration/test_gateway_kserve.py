@@ -102,6 +102,38 @@ def test_stream_infer_keeps_ids_and_order(client) -> None:
     assert got == {f"s-{i}": float(i) for i in range(5)}
 
 
+def test_large_tensors_come_back_whole_unary_and_streamed(client) -> None:
+    """1 MiB requests reach the gateway in many DATA frames: it collects the whole first
+    message, reads it, appends its own fields and sends it on; tensors and ids come back."""
+    require_model("identity")
+    rng = np.random.default_rng(7)
+    arrays = [rng.random((1, 1 << 18), dtype=np.float32) for _ in range(3)]
+
+    def tensor(data: np.ndarray) -> grpcclient.InferInput:
+        t = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+        t.set_data_from_numpy(data)
+        return t
+
+    result = client.infer("identity", [tensor(arrays[0])], request_id="big", headers=bearer(ACME_KEY))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), arrays[0])
+    assert result.get_response().id == "big"
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=bearer(ACME_KEY))
+    try:
+        for i, data in enumerate(arrays):
+            client.async_stream_infer("identity", [tensor(data)], request_id=f"big-{i}")
+        got = {}
+        for _ in arrays:
+            result, error = results.get(timeout=60)
+            assert error is None, error
+            got[result.get_response().id] = result.as_numpy("OUTPUT0")
+    finally:
+        client.stop_stream()
+    assert sorted(got) == [f"big-{i}" for i in range(len(arrays))]
+    for i, data in enumerate(arrays):
+        np.testing.assert_array_equal(got[f"big-{i}"], data)
+
+
 def test_stream_refusal_is_reported_in_band_and_the_stream_goes_on(gateway) -> None:
     require_model("identity")
     require_model("minilm")

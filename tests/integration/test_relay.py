@@ -202,10 +202,11 @@ def test_refusal_is_answered_without_an_upstream_call(relay, triton) -> None:
     assert _inference_count(triton.ports.grpc_url) == count
 
 
+@pytest.mark.parametrize("size", [64, 1 << 18])  # one DATA frame; 1 MiB in many
 @pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
-def test_appended_fields_reach_triton(relay, policy, compression) -> None:
+def test_appended_fields_reach_triton(relay, policy, compression, size) -> None:
     client = grpcclient.InferenceServerClient(relay.url)
-    values = _values(64)
+    values = _values(size)
     result = client.infer(
         MODEL,
         _inputs(values),

@@ -18,10 +18,13 @@ MAX_FIELDS = 4096
 _PADDING = b"\x7a" + bytes([(2 * MAX_FIELDS) & 0x7F | 0x80, (2 * MAX_FIELDS) >> 7]) + b"\x00" * (2 * MAX_FIELDS)
 
 
-@pytest.fixture(params=["parsed", "walked"])
+@pytest.fixture(params=["parsed", "walked", "parsed view", "walked view"])
 def peek(request: pytest.FixtureRequest):
-    """peek_request by each of its two paths (small messages parsed, large ones walked)."""
-    padding = _PADDING if request.param == "walked" else b""
+    """peek_request by each of its two paths (small messages parsed, large ones walked),
+    on bytes and on a view into a larger buffer (how the relay hands over a first message)."""
+    padding = _PADDING if request.param.startswith("walked") else b""
+    if request.param.endswith("view"):
+        return lambda raw: infer_wire.peek_request(memoryview(b"\x00" * 5 + padding + raw)[5:], MAX_FIELDS)
     return lambda raw: infer_wire.peek_request(padding + raw, MAX_FIELDS)
 
 

@@ -58,6 +58,21 @@ def test_first_message_collects_one_message_and_keeps_the_rest() -> None:
 def test_first_message_over_the_limit() -> None:
     with pytest.raises(framing.MessageTooLarge):
         framing.FirstMessage(limit=4).add(framing.frame(b"hello"))
+    first = framing.FirstMessage(limit=4)  # refused on its prefix alone, split across chunks
+    assert not first.add(framing.frame(b"hello")[:2])
+    with pytest.raises(framing.MessageTooLarge, match="5 bytes"):
+        first.add(framing.frame(b"hello")[2:5])
+
+
+def test_first_message_from_many_chunks_and_a_message_of_parts() -> None:
+    payload = bytes(range(256)) * 40
+    data = framing.frame(payload) + b"\x00"
+    first = framing.FirstMessage(limit=len(payload))
+    chunks = [data[i : i + 7] for i in range(0, len(data), 7)]
+    assert not any(first.add(chunk) for chunk in chunks[:-1])
+    assert first.add(chunks[-1])
+    assert (bytes(first.payload or b""), first.rest) == (payload, b"\x00")
+    assert framing.frame(payload[:10], memoryview(payload)[10:], b"") == framing.frame(payload)
 
 
 def test_decompress_gzip_and_deflate_with_a_bound() -> None:

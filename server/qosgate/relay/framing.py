@@ -76,43 +76,51 @@ class MessageScanner:
 
 
 class FirstMessage:
-    """Collects a call's first message from DATA chunks (bounded by the size limit)."""
+    """Collects a call's first message from DATA chunks (bounded by the size limit).
 
-    __slots__ = ("_buf", "_limit", "compressed", "payload", "rest")
+    Chunks are kept as they came and joined once, when the message is complete; the
+    payload is a view of the joined bytes, so a large message is copied once here.
+    """
+
+    __slots__ = ("_chunks", "_size", "_end", "_limit", "compressed", "payload", "rest")
 
     def __init__(self, limit: int) -> None:
-        self._buf = bytearray()
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._end = 0  # PREFIX + the message's length, once the prefix is in
         self._limit = limit
         self.compressed = False
-        self.payload: bytes | None = None  # set once the whole message is in
+        self.payload: memoryview | None = None  # set once the whole message is in
         self.rest = b""  # bytes after it in the same chunk (the next messages)
 
     def add(self, data: bytes) -> bool:
         """Add a chunk; True once the message is complete."""
-        self._buf += data
-        if len(self._buf) < PREFIX:
+        chunks = self._chunks
+        chunks.append(data)
+        self._size += len(data)
+        if not self._end:
+            if self._size < PREFIX:
+                return False
+            head = chunks[0] if len(chunks[0]) >= PREFIX else b"".join(chunks)
+            length = int.from_bytes(head[1:PREFIX], "big")
+            if length > self._limit:
+                raise MessageTooLarge(length, self._limit)
+            self._end = PREFIX + length
+        end = self._end
+        if self._size < end:
             return False
-        length = int.from_bytes(self._buf[1:PREFIX], "big")
-        if length > self._limit:
-            raise MessageTooLarge(length, self._limit)
-        end = PREFIX + length
-        if len(self._buf) < end:
-            return False
-        self.compressed = self._buf[0] == 1
-        self.payload = bytes(self._buf[PREFIX:end])
-        self.rest = bytes(self._buf[end:])
-        self._buf = bytearray()
+        whole = b"".join(chunks)  # no copy when one chunk holds it all
+        self._chunks = []
+        self.compressed = whole[0] == 1
+        self.payload = memoryview(whole)[PREFIX:end]
+        self.rest = whole[end:]
         return True
 
-    @property
-    def held(self) -> int:
-        """Bytes collected and not yet complete."""
-        return len(self._buf)
 
-
-def frame(payload: bytes, *, compressed: bool = False) -> bytes:
-    """One length-prefixed message."""
-    return (b"\x01" if compressed else b"\x00") + len(payload).to_bytes(4, "big") + payload
+def frame(*parts: bytes | memoryview, compressed: bool = False) -> bytes:
+    """One length-prefixed message whose payload is `parts` joined (each copied once)."""
+    size = sum(map(len, parts))
+    return b"".join(((b"\x01" if compressed else b"\x00") + size.to_bytes(4, "big"), *parts))
 
 
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
@@ -136,7 +144,7 @@ def format_timeout(seconds: float) -> bytes:
 _WBITS = {b"gzip": 31, b"deflate": 15}
 
 
-def decompress(encoding: bytes, payload: bytes, limit: int) -> bytes:
+def decompress(encoding: bytes, payload: bytes | memoryview, limit: int) -> bytes:
     """A compressed message's bytes, refusing any that inflate beyond `limit`."""
     wbits = _WBITS.get(encoding)
     if wbits is None:

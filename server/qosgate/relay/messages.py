@@ -125,7 +125,8 @@ class Inbox:
             end = pos + framing.PREFIX + length
             if len(buf) < end:
                 break
-            payload = bytes(buf[pos + framing.PREFIX : end])
+            with memoryview(buf) as view:  # one copy (a bytearray's slice would be two)
+                payload = bytes(view[pos + framing.PREFIX : end])
             if buf[pos] == 1:
                 payload = framing.decompress(self.encoding, payload, self._limit)
             self._ready.append(payload)
@@ -192,14 +193,14 @@ class _Writer:
         self._stream_id = stream_id
         self._writable: asyncio.Future[None] | None = None
 
-    def send(self, message: bytes) -> None:
-        """Queue a message on the stream, however much is queued already."""
+    def send(self, *parts: bytes) -> None:
+        """Queue a message (`parts` joined) on the stream, however much is queued already."""
         peer = self._peer
-        peer.h2.send_data(self._stream_id, framing.frame(message))
+        peer.h2.send_data(self._stream_id, framing.frame(*parts))
         peer.touch()
 
-    async def write(self, message: bytes) -> None:
-        self.send(message)
+    async def write(self, *parts: bytes) -> None:
+        self.send(*parts)
         peer = self._peer
         if peer.h2.queued(self._stream_id) > WRITE_BUFFER:
             self._writable = asyncio.get_running_loop().create_future()
@@ -402,11 +403,12 @@ class ClientStream:
                 self._ended_with(e.refusal)
             return None
 
-    async def write(self, message: bytes) -> None:
-        """Send a message upstream; StreamError once the call has ended."""
+    async def write(self, *parts: bytes) -> None:
+        """Send a message (`parts` joined, so a large one is copied once) upstream;
+        StreamError once the call has ended."""
         if self.ended:
             raise StreamError(Refuse(self.status if self.status is not None else CANCELLED, "upstream call ended"))
-        await self._writer.write(message)
+        await self._writer.write(*parts)
 
     def done_writing(self) -> None:
         if not self.ended:

@@ -39,7 +39,7 @@ class CallHead:
 
     path: bytes
     headers: Sequence[Header]
-    first_message: bytes  # uncompressed; empty when the caller sent no message
+    first_message: bytes | memoryview  # uncompressed; empty when the caller sent no message
     timeout: float | None  # seconds left from grpc-timeout when asked; None without one
     certificate: ClientCertificate | None = None  # the caller's verified TLS certificate
 

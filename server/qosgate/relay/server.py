@@ -229,7 +229,7 @@ class Call:
                 return
         self.decide(message, first)
 
-    def decide(self, message: bytes, first: framing.FirstMessage | None = None) -> None:
+    def decide(self, message: bytes | memoryview, first: framing.FirstMessage | None = None) -> None:
         assert self.route is not None and self.route.policy is not None
         left = None if self.deadline is None else self.deadline - self.down.relay.loop.time()
         head = CallHead(http2.header(self.headers, b":path") or b"", self.headers, message, left, self.down.certificate)
@@ -246,7 +246,7 @@ class Call:
         self.decision_task.add_done_callback(lambda task: self.decided_later(task, message, first))
 
     def decided_later(
-        self, task: asyncio.Future[Decision], message: bytes, first: framing.FirstMessage | None
+        self, task: asyncio.Future[Decision], message: bytes | memoryview, first: framing.FirstMessage | None
     ) -> None:
         self.decision_task = None
         if task.cancelled():
@@ -264,7 +264,7 @@ class Call:
             self.apply(task.result(), message, first, waited=True)
 
     def apply(
-        self, decision: Decision, message: bytes, first: framing.FirstMessage | None, *, waited: bool
+        self, decision: Decision, message: bytes | memoryview, first: framing.FirstMessage | None, *, waited: bool
     ) -> None:
         # Forwarded, the message is the upstream's to take (its window bounds it); refused, it is dropped.
         self.uncharge()
@@ -279,7 +279,7 @@ class Call:
         if first is not None:
             if decision.append:
                 # Appended bytes cannot go inside a compressed message: send it plain.
-                resent = framing.frame(message + decision.append)
+                resent = framing.frame(message, decision.append)
             else:
                 resent = framing.frame(first.payload or b"", compressed=first.compressed)
             self.pending.insert(0, resent)

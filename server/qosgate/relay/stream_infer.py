@@ -323,7 +323,7 @@ class _Session:
             try:
                 async with self._write_lock:
                     await call.write(
-                        raw + fragment + infer_wire.id_fragment(gateway_id) + infer_wire.empty_final_fragment()
+                        raw, fragment, infer_wire.id_fragment(gateway_id), infer_wire.empty_final_fragment()
                     )
             except StreamError as e:
                 # The upstream stream ended under us: the reader reports it to the caller.

@@ -141,14 +141,14 @@ def _fields(buf: bytes | memoryview, budget: _FieldBudget | None = None):
         raise WireError("truncated message")
 
 
-def _map_entry_key(buf: bytes, budget: _FieldBudget | None = None) -> str:
+def _map_entry_key(buf: bytes | memoryview, budget: _FieldBudget | None = None) -> str:
     for number, wire_type, start, end in _fields(buf, budget):
         if number == _KEY and wire_type == _LEN:
-            return buf[start:end].decode("utf-8", "replace")
+            return str(buf[start:end], "utf-8", "replace")
     return ""
 
 
-def _map_entry_bool(buf: bytes, budget: _FieldBudget | None = None) -> bool | None:
+def _map_entry_bool(buf: bytes | memoryview, budget: _FieldBudget | None = None) -> bool | None:
     """The bool_param of a map<string, InferParameter> entry's value, if it is one."""
     for number, wire_type, start, end in _fields(buf, budget):
         if number == _VALUE and wire_type == _LEN:
@@ -252,7 +252,7 @@ class InferRequestHead:
     """The first dimension of the first input's shape: the batch size (the `text` cost)."""
 
 
-def peek_request(buf: bytes, max_fields: int) -> InferRequestHead:
+def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
     """Read model_name, id, the empty-final-response opt-in and the batch rows, and check
     the whole request as Triton's parser would (WireError where it would refuse it); tensor
     bytes are skipped.
@@ -289,7 +289,7 @@ def peek_request(buf: bytes, max_fields: int) -> InferRequestHead:
     return head
 
 
-def _parsed_head(buf: bytes) -> InferRequestHead:
+def _parsed_head(buf: bytes | memoryview) -> InferRequestHead:
     try:
         request = service_pb2.ModelInferRequest.FromString(buf)
     except DecodeError as e:
@@ -307,7 +307,7 @@ def _parsed_head(buf: bytes) -> InferRequestHead:
     return head
 
 
-def _first_dimension(tensor: bytes, default: int, budget: _FieldBudget) -> int:
+def _first_dimension(tensor: bytes | memoryview, default: int, budget: _FieldBudget) -> int:
     """shape[0] of an InferInputTensor (packed or not), or `default` if it has no shape."""
     for number, wire_type, start, end in _fields(tensor, budget):
         if number != _INPUT_SHAPE:

@@ -144,7 +144,7 @@ class KServeService:
 
 
 
-def peek_infer_request(raw: bytes, max_fields: int) -> infer_wire.InferRequestHead:
+def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> infer_wire.InferRequestHead:
     """The routing fields of a ModelInferRequest; INVALID_ARGUMENT if it does not parse."""
     try:
         head = infer_wire.peek_request(raw, max_fields)
