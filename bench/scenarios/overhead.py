@@ -37,6 +37,9 @@ API_KEY = "bench-overhead-key"
 # 32, tritonserver 2.51 itself crashed (SIGSEGV in TRITONSERVER_InferenceRequestDelete) in
 # 2 of 5 `--streaming` runs straight at it with 20,000 requests; at 16 it ran 20 of 20.
 BUSY = 16
+# A point runs for seconds; perf_analyzer's own hang after the last response (bench/perf.py)
+# costs this long before the point runs again.
+PERF_TIMEOUT_S = 120.0
 TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
 
 
@@ -66,7 +69,7 @@ def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None
     before_cpu = hop.cpu_seconds() if hop else 0.0
     point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
                          shape=SHAPE, headers=headers, extra=("--streaming",) if streaming else (),
-                         watch=stack.triton_failure)
+                         timeout=PERF_TIMEOUT_S, watch=stack.triton_failure)
     cpu_us = None
     if hop is not None:
         requests = successes(stack.triton_url) - before_count
