@@ -19,11 +19,12 @@ from bench.tools import perf_analyzer
 
 log = logging.getLogger(__name__)
 # perf_analyzer 2.51 with --request-count now and then never exits: every request is
-# answered and its worker threads are gone, but its main thread waits on in
-# InferenceProfiler::Measure (gdb). Seen straight at Triton as well as through the gateway,
+# answered and its worker threads are gone, but its main thread keeps waiting
+# in InferenceProfiler::Measure (gdb). Seen straight at Triton as well as through the gateway,
 # about once in 20-40 runs of 20,000 calls at concurrency 64. A run that gives no result
 # in time is run once more; a second one fails the point.
 ATTEMPTS = 2
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PerfPoint:
