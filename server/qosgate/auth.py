@@ -23,6 +23,8 @@ from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 _BEARER = "bearer "
 # The headers a call may present its API key in.
 AUTHORIZATION, API_KEY = "authorization", "x-api-key"
+# Credentials one connection remembers (ConnectionCredentials): a caller uses one key or two.
+_REMEMBERED_PER_CONNECTION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +61,32 @@ class Tenant:
         return self._any_model or self._models_re.match(name) is not None
 
 
+class ConnectionCredentials:
+    """One caller connection as identification sees it: the certificate of its TLS
+    handshake, and the tenants its credential headers identified (`identify_on`).
+
+    A caller's calls on one HTTP/2 connection carry the same key, so the calls after the
+    first are identified by a dict lookup on the header bytes instead of parsing and
+    hashing the key again. The bytes kept are those HPACK's table holds for the connection
+    anyway, and they go with it. Only identifications that succeeded are kept, a few per
+    connection, and a reload of the tenants forgets them.
+    """
+
+    __slots__ = ("certificate", "generation", "tenants")
+
+    def __init__(self, certificate: ClientCertificate | None = None) -> None:
+        self.certificate = certificate
+        self.generation = -1  # the directory's generation the entries below belong to
+        self.tenants: dict[tuple[tuple[bytes, bytes], ...], Tenant] = {}
+
+
 class TenantDirectory:
     """The tenants of the current config, looked up by the key a request carries."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self._classes = tuple(config.classes)
         self._levels = {klass: i for i, klass in enumerate(config.classes)}
+        self._generation = 0  # counts replacements: what connections remember is of one
         self.replace(config)
 
     def replace(self, config: GatewayConfig) -> None:
@@ -86,6 +108,7 @@ class TenantDirectory:
         }
         self._tenants, self._by_digest, self._by_cert = tenants, by_digest, by_cert
         self._by_name = {tenant.name: tenant for tenant in tenants}
+        self._generation += 1
 
     @staticmethod
     def _tenant(config: GatewayConfig, t: TenantConfig) -> Tenant:
@@ -139,6 +162,22 @@ class TenantDirectory:
             raise Unauthenticated("invalid API key")
         if by_cert is not None and by_cert is not tenant:
             raise Unauthenticated("the API key and the client certificate identify different tenants")
+        return tenant
+
+    def identify_on(self, connection: ConnectionCredentials, credentials: tuple[tuple[bytes, bytes], ...]) -> Tenant:
+        """`identify` for a call on `connection` whose `authorization` and `x-api-key`
+        headers are `credentials` (raw, in the order sent): what an earlier call on the
+        connection with the same headers was identified as, if the tenants have not been
+        reloaded since."""
+        if connection.generation != self._generation:
+            connection.tenants.clear()
+            connection.generation = self._generation
+        tenant = connection.tenants.get(credentials)
+        if tenant is None:
+            metadata = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in credentials]
+            tenant = self.identify(metadata, connection.certificate)
+            if len(connection.tenants) < _REMEMBERED_PER_CONNECTION:
+                connection.tenants[credentials] = tenant
         return tenant
 
     def _certificate_tenant(self, certificate: ClientCertificate) -> Tenant | None:

@@ -75,6 +75,11 @@ def test_sighup_rotates_keys_and_limits_and_survives_a_broken_file(
 
         assert live(OLD_KEY) is grpc.StatusCode.OK
         assert live(NEW_KEY) is grpc.StatusCode.UNAUTHENTICATED
+        # The relay remembers what a key identified on a connection: this one, reused below.
+        request = service_pb2.ModelInferRequest(model_name="no_such_model")
+        assert code_of(stub.ModelInfer, request, OLD_KEY) not in (
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
 
         # Rotate the key, and hold the tenant to one request per 100 s; change a key that
         # only a restart applies.
@@ -96,12 +101,12 @@ def test_sighup_rotates_keys_and_limits_and_survives_a_broken_file(
         added = hangup_and_wait(gateway, "config reloaded")
         assert "not applied until a restart: scheduler" in added
         assert live(OLD_KEY) is grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(stub.ModelInfer, request, OLD_KEY) is grpc.StatusCode.UNAUTHENTICATED
         assert live(NEW_KEY) is grpc.StatusCode.OK  # ServerLive is not rate-limited
         assert NEW_KEY not in gateway.log_text() and OLD_KEY not in gateway.log_text()
 
         # Inference is: the burst of one goes through (to Triton, which has no such model),
         # the next request is refused by the new limit.
-        request = service_pb2.ModelInferRequest(model_name="no_such_model")
         codes = [code_of(stub.ModelInfer, request, NEW_KEY) for _ in range(2)]
         assert codes[0] is not grpc.StatusCode.RESOURCE_EXHAUSTED, codes
         assert codes[1] is grpc.StatusCode.RESOURCE_EXHAUSTED, codes

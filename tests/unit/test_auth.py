@@ -6,7 +6,7 @@ import hashlib
 import logging
 
 import pytest
-from qosgate.auth import TenantDirectory
+from qosgate.auth import ConnectionCredentials, TenantDirectory
 from qosgate.config import parse_config
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
@@ -78,6 +78,67 @@ def test_identify_refuses(
 ) -> None:
     with pytest.raises(Unauthenticated, match=message):
         directory.identify(metadata)
+
+
+def raw(metadata: list[tuple[str, str]]) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple((name.encode(), value.encode()) for name, value in metadata)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "tenant"),
+    [
+        ([("authorization", "Bearer acme-1")], "acme"),
+        ([("x-api-key", "globex-1")], "globex"),
+        ([("authorization", "Bearer acme-1"), ("x-api-key", "acme-1")], "acme"),
+    ],
+)
+def test_identify_on_a_connection_answers_as_identify_every_time(
+    directory: TenantDirectory, metadata: list[tuple[str, str]], tenant: str
+) -> None:
+    connection = ConnectionCredentials()
+    assert [directory.identify_on(connection, raw(metadata)).name for _ in range(3)] == [tenant] * 3
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        [],
+        [("authorization", "Bearer nope")],
+        [("authorization", "acme-1")],
+        [("x-api-key", "acme-1"), ("x-api-key", "acme-1")],
+        [("x-api-key", "acme-1"), ("authorization", "Bearer globex-1")],
+    ],
+)
+def test_identify_on_a_connection_refuses_every_time(
+    directory: TenantDirectory, metadata: list[tuple[str, str]]
+) -> None:
+    connection = ConnectionCredentials()
+    for _ in range(2):
+        with pytest.raises(Unauthenticated):
+            directory.identify_on(connection, raw(metadata))
+    assert connection.tenants == {}  # a refusal is not remembered
+
+
+def test_a_connection_forgets_its_keys_when_the_tenants_are_reloaded(directory: TenantDirectory) -> None:
+    connection = ConnectionCredentials()
+    acme_1, acme_2 = raw([("x-api-key", "acme-1")]), raw([("x-api-key", "acme-2")])
+    assert directory.identify_on(connection, acme_1).name == "acme"
+    assert directory.identify_on(connection, acme_2).name == "acme"
+    directory.replace(parse_config({"tenants": [{"name": "initech", "api_keys": [{"key": "acme-1"}]}]}))
+    # The same connection, the same header bytes: the reloaded tenants answer.
+    assert directory.identify_on(connection, acme_1).name == "initech"
+    with pytest.raises(Unauthenticated):
+        directory.identify_on(connection, acme_2)
+    # Keys of one connection are its own: another starts with none of them.
+    assert ConnectionCredentials().tenants == {}
+
+
+def test_a_connection_remembers_a_few_keys_and_still_identifies_the_rest() -> None:
+    keys = [f"key-{n}" for n in range(20)]
+    directory = TenantDirectory(parse_config({"tenants": [{"name": "many", "api_keys": [{"key": k} for k in keys]}]}))
+    connection = ConnectionCredentials()
+    assert {directory.identify_on(connection, raw([("x-api-key", k)])).name for k in keys} == {"many"}
+    assert 0 < len(connection.tenants) < len(keys)
 
 
 def test_a_refused_key_appears_in_no_message_or_log(

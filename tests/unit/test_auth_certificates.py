@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 from certificates import CertificateAuthority
-from qosgate.auth import ClientCertificate, TenantDirectory
+from qosgate.auth import ClientCertificate, ConnectionCredentials, TenantDirectory
 from qosgate.config import parse_config
 from qosgate.errors import Unauthenticated
 
@@ -65,6 +65,10 @@ def test_identify_by_certificate(
     directory: TenantDirectory, metadata: list[tuple[str, str]], certificate: ClientCertificate, tenant: str
 ) -> None:
     assert directory.identify(metadata, certificate).name == tenant
+    # The relay's way: the connection's certificate and the call's raw key headers, twice.
+    connection = ConnectionCredentials(certificate)
+    raw = tuple((name.encode(), value.encode()) for name, value in metadata)
+    assert [directory.identify_on(connection, raw).name for _ in range(2)] == [tenant] * 2
 
 
 @pytest.mark.parametrize(
@@ -84,6 +88,10 @@ def test_identify_refuses_ambiguous_or_unknown(
 ) -> None:
     with pytest.raises(Unauthenticated, match=message):
         directory.identify(metadata, certificate)
+    connection = ConnectionCredentials(certificate)
+    raw = tuple((name.encode(), value.encode()) for name, value in metadata)
+    with pytest.raises(Unauthenticated, match=message):
+        directory.identify_on(connection, raw)
 
 
 def test_reload_replaces_the_certificate_map(tmp_path: pathlib.Path) -> None:

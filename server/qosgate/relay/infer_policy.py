@@ -36,8 +36,9 @@ from qosgate.services.kserve import PRIORITY_HEADER, dispatch_fragment, peek_inf
 from qosgate.upstream import Upstream, UpstreamPool
 
 RPC = "ModelInfer"
-# The headers the policy reads: credentials, priority class, the caller's trace context.
-_READ = frozenset(name.encode() for name in (AUTHORIZATION, API_KEY, PRIORITY_HEADER, TRACEPARENT, TRACESTATE))
+# The headers the policy reads: credentials; priority class and the caller's trace context.
+_CREDENTIALS = frozenset(name.encode() for name in (AUTHORIZATION, API_KEY))
+_READ = frozenset(name.encode() for name in (PRIORITY_HEADER, TRACEPARENT, TRACESTATE))
 T = TypeVar("T")
 # gRPC status code -> its name (the `code` metric label); an upstream's out-of-range code is UNKNOWN.
 _CODE_NAMES = {value: name for name, value in code_pb2.Code.items()}
@@ -76,10 +77,10 @@ class InferAdmissionPolicy:
 
     async def _decide(self, head: CallHead) -> Decision:
         # Only the headers the policy reads are decoded; the rest go to Triton as they came.
-        metadata = [(key.decode("latin-1"), value.decode("latin-1")) for key, value in head.headers if key in _READ]
-        headers = dict(metadata)
+        credentials = tuple(pair for pair in head.headers if pair[0] in _CREDENTIALS)
+        headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in head.headers if key in _READ}
         try:
-            tenant = self._plane.directory.identify(metadata, head.certificate)
+            tenant = self._plane.directory.identify_on(head.caller, credentials)
         except errors.GatewayError as e:  # no tenant, so no scope: counted here as before
             row = status.row_of(e)
             self._plane.metrics.rejected(row.reason, "", "")

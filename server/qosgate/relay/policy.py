@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from qosgate.auth import ClientCertificate
+from qosgate.auth import ConnectionCredentials
 
 if TYPE_CHECKING:
     from qosgate.relay.upstream import UpstreamPool
@@ -41,7 +41,8 @@ class CallHead:
     headers: Sequence[Header]
     first_message: bytes | memoryview  # uncompressed; empty when the caller sent no message
     timeout: float | None  # seconds left from grpc-timeout when asked; None without one
-    certificate: ClientCertificate | None = None  # the caller's verified TLS certificate
+    # The caller's connection: its verified TLS certificate, the tenants its keys identified.
+    caller: ConnectionCredentials = field(default_factory=ConnectionCredentials)
 
     def header(self, name: bytes) -> bytes | None:
         """The last value of a header (lower-case name), as gRPC metadata merges them."""

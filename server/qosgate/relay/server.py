@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qosgate.auth import ClientCertificate
+from qosgate.auth import ClientCertificate, ConnectionCredentials
 from qosgate.relay import framing, http2
 from qosgate.relay.messages import Handler, ServerStream
 from qosgate.relay.peer import Flusher, Peer, Pipe
@@ -232,7 +232,7 @@ class Call:
     def decide(self, message: bytes | memoryview, first: framing.FirstMessage | None = None) -> None:
         assert self.route is not None and self.route.policy is not None
         left = None if self.deadline is None else self.deadline - self.down.relay.loop.time()
-        head = CallHead(http2.header(self.headers, b":path") or b"", self.headers, message, left, self.down.certificate)
+        head = CallHead(http2.header(self.headers, b":path") or b"", self.headers, message, left, self.down.caller)
         try:
             decision = self.route.policy(head)
         except Exception:
@@ -457,12 +457,14 @@ class DownstreamConnection(Peer):
         # Request bytes read for policies still deciding, over all of this connection's calls.
         self.pending_bytes = 0
         self.certificate: ClientCertificate | None = None
+        self.caller = ConnectionCredentials()
         self._certificate_headers: list[http2.Header] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.relay.clients.add(self)
         # Over TLS the handshake (and client certificate verification) is done by now.
         self.certificate = peer_certificate(transport.get_extra_info("ssl_object"))
+        self.caller = ConnectionCredentials(self.certificate)
         if self.certificate is not None:
             self._certificate_headers = certificate_headers(self.certificate)
         super().connection_made(transport)
