@@ -108,6 +108,14 @@ def test_stream_error_message_leads_with_the_code() -> None:
     assert text == "PERMISSION_DENIED: model 'x' not allowed"
 
 
+def test_a_wait_past_what_a_duration_holds_is_sent_as_the_largest_one() -> None:
+    for wait in (315_576_000_000.5, 1e300):
+        rich = status.to_rich_status(errors.Unavailable("busy", retry_after_s=wait))
+        info = error_details_pb2.RetryInfo()
+        rich.details[0].Unpack(info)
+        assert (info.retry_delay.seconds, info.retry_delay.nanos) == (315_576_000_000, 0)
+
+
 def test_retry_delay_rounds_up() -> None:
     rich = status.to_rich_status(errors.Unavailable("busy", retry_after_s=0.0000015))
     info = error_details_pb2.RetryInfo()
@@ -161,7 +169,7 @@ def _runtime_status(code: int, message: str, retry_after: float | None, violatio
     return rich.SerializeToString()
 
 
-@pytest.mark.parametrize("retry_after", [0.0, 0.0000015, 0.25, 1.0, 59.999999, 3600.5, 86400 * 400])
+@pytest.mark.parametrize("retry_after", [0.0, 0.0000015, 0.25, 1.0, 59.999999, 3600.5, 86400 * 400, 315_575_999_999.999999])
 def test_status_bytes_are_the_protobuf_runtimes_own(retry_after: float) -> None:
     one = (errors.QuotaViolation("tenant:acme", "requests_per_second limit 50 (burst 50) exceeded"),)
     two = (*one, errors.QuotaViolation("tenant:acme", "max_concurrent limit 4 reached"))

@@ -10,6 +10,7 @@ may answer at once or return an awaitable (admission and scheduling wait).
 from __future__ import annotations
 
 import base64
+import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -120,13 +121,20 @@ _NEEDS_ESCAPE = re.compile(rb"[^\x20-\x24\x26-\x7e]")
 
 def status_headers(refusal: Refuse) -> list[Header]:
     """The trailer fields that carry a status, encoded as gRPC requires."""
-    fields = [(b"grpc-status", str(refusal.status).encode())]
-    if refusal.message:
-        fields.append((b"grpc-message", cut_message(percent_encode(refusal.message))))
+    fields = list(_status_fields(refusal.status, refusal.message))
     if refusal.details:
         fields.append((b"grpc-status-details-bin", base64.b64encode(refusal.details).rstrip(b"=")))
     fields.extend(refusal.extra)
     return fields
+
+
+@functools.lru_cache(maxsize=256)
+def _status_fields(status: int, message: str) -> tuple[Header, ...]:
+    """grpc-status and grpc-message, encoded once per pair: a caller retrying a refused
+    call gets the same pair again."""
+    if not message:
+        return ((b"grpc-status", str(status).encode()),)
+    return (b"grpc-status", str(status).encode()), (b"grpc-message", cut_message(percent_encode(message)))
 
 
 def percent_encode(message: str) -> bytes:

@@ -92,13 +92,28 @@ _SECONDS, _NANOS = 1, 2
 _RETRY_INFO_TYPE_URL = len_field(_TYPE_URL, b"type.googleapis.com/" + error_details_pb2.RetryInfo.DESCRIPTOR.full_name.encode())
 
 
+def _retry_info_head(size: int) -> bytes:
+    """What precedes a Duration of `size` bytes in a RetryInfo details entry (it depends
+    on the size alone)."""
+    entry = len_field(_DETAILS, _RETRY_INFO_TYPE_URL + len_field(_VALUE, len_field(_RETRY_DELAY, bytes(size))))
+    return entry[: len(entry) - size]
+
+
+# google.protobuf.Duration's largest value (10,000 years): a longer wait is sent as it.
+_MAX_DURATION_S = 315_576_000_000
+# So a Duration here is at most 12 bytes (seconds: tag and 5-byte varint; nanos: tag and 5).
+_RETRY_INFO_HEADS = [_retry_info_head(size) for size in range(13)]
+
+
 def _retry_info_detail(seconds: float) -> bytes:
     """A Status's details entry: Any(RetryInfo(retry_delay=`seconds`)), encoded directly
     (it differs in every refusal; the protobuf runtime would build three messages for it)."""
     # Round up: retrying a little late succeeds, retrying early is refused again.
     whole, micros = divmod(max(0, math.ceil(seconds * 1_000_000)), 1_000_000)
+    if whole >= _MAX_DURATION_S:
+        whole, micros = _MAX_DURATION_S, 0
     delay = (varint_field(_SECONDS, whole) if whole else b"") + (varint_field(_NANOS, micros * 1000) if micros else b"")
-    return len_field(_DETAILS, _RETRY_INFO_TYPE_URL + len_field(_VALUE, len_field(_RETRY_DELAY, delay)))
+    return _RETRY_INFO_HEADS[len(delay)] + delay
 
 
 @functools.lru_cache(maxsize=1024)
