@@ -297,13 +297,17 @@ def perf_analyzer(gateway: GatewayThread, *args: str) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
-def test_perf_analyzer_over_mtls_identified_by_its_certificate(mtls_gateway: GatewayThread, pki: Pki) -> None:
+@pytest.mark.parametrize("mode", [(), ("--streaming",)], ids=["unary", "streaming"])
+def test_perf_analyzer_over_mtls_identified_by_its_certificate(
+    mtls_gateway: GatewayThread, pki: Pki, mode: tuple[str, ...]
+) -> None:
     require_model("identity")
     run = perf_analyzer(
         mtls_gateway,
         f"--ssl-grpc-root-certifications-file={pki.ca.cert}",
         f"--ssl-grpc-private-key-file={pki.acme.key}",
         f"--ssl-grpc-certificate-chain-file={pki.acme.cert}",
+        *mode,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Throughput:" in run.stdout

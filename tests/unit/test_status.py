@@ -169,7 +169,7 @@ def _runtime_status(code: int, message: str, retry_after: float | None, violatio
     return rich.SerializeToString()
 
 
-@pytest.mark.parametrize("retry_after", [0.0, 0.0000015, 0.25, 1.0, 59.999999, 3600.5, 86400 * 400, 315_575_999_999.999999])
+@pytest.mark.parametrize("retry_after", [0.0, 0.0000015, 0.25, 1.0, 59.999999, 3600.5, 86400 * 400, 300_000_000_000.5, 315_575_999_999.999999])
 def test_status_bytes_are_the_protobuf_runtimes_own(retry_after: float) -> None:
     one = (errors.QuotaViolation("tenant:acme", "requests_per_second limit 50 (burst 50) exceeded"),)
     two = (*one, errors.QuotaViolation("tenant:acme", "max_concurrent limit 4 reached"))

@@ -268,7 +268,7 @@ class ServerStream:
     @property
     def certificate(self) -> ClientCertificate | None:
         """The caller's verified TLS client certificate, if any."""
-        return self._down.certificate
+        return self._down.caller.certificate
 
     def time_remaining(self) -> float | None:
         """Seconds left before the caller's deadline; None without one."""

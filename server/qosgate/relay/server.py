@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qosgate.auth import ClientCertificate, ConnectionCredentials
+from qosgate.auth import ConnectionCredentials
 from qosgate.relay import framing, http2
 from qosgate.relay.messages import Handler, ServerStream
 from qosgate.relay.peer import Flusher, Peer, Pipe
@@ -456,17 +456,16 @@ class DownstreamConnection(Peer):
         self.calls: dict[int, Call | ServerStream] = {}
         # Request bytes read for policies still deciding, over all of this connection's calls.
         self.pending_bytes = 0
-        self.certificate: ClientCertificate | None = None
-        self.caller = ConnectionCredentials()
+        self.caller = ConnectionCredentials()  # with the verified TLS certificate, if any
         self._certificate_headers: list[http2.Header] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.relay.clients.add(self)
         # Over TLS the handshake (and client certificate verification) is done by now.
-        self.certificate = peer_certificate(transport.get_extra_info("ssl_object"))
-        self.caller = ConnectionCredentials(self.certificate)
-        if self.certificate is not None:
-            self._certificate_headers = certificate_headers(self.certificate)
+        certificate = peer_certificate(transport.get_extra_info("ssl_object"))
+        self.caller = ConnectionCredentials(certificate)
+        if certificate is not None:
+            self._certificate_headers = certificate_headers(certificate)
         super().connection_made(transport)
 
     def pass_on(self, headers: Sequence[http2.Header]) -> list[http2.Header]:

@@ -101,8 +101,8 @@ def _retry_info_head(size: int) -> bytes:
 
 # google.protobuf.Duration's largest value (10,000 years): a longer wait is sent as it.
 _MAX_DURATION_S = 315_576_000_000
-# So a Duration here is at most 12 bytes (seconds: tag and 5-byte varint; nanos: tag and 5).
-_RETRY_INFO_HEADS = [_retry_info_head(size) for size in range(13)]
+_MAX_DURATION_BYTES = len(varint_field(_SECONDS, _MAX_DURATION_S - 1) + varint_field(_NANOS, 999_999_999))
+_RETRY_INFO_HEADS = [_retry_info_head(size) for size in range(_MAX_DURATION_BYTES + 1)]
 
 
 def _retry_info_detail(seconds: float) -> bytes:
