@@ -34,6 +34,7 @@ from relay_harness import RelayThread
 from test_gateway_perf_analyzer import PERF_ANALYZER, perf_analyzer
 from qosgate.relay import http2
 from qosgate.relay.policy import RESOURCE_EXHAUSTED, CallEnd, CallHead, Decision, Forward, Refuse
+from qosgate.relay.server import CALLS_PER_PASS
 from qosgate.services import infer_wire
 
 pytestmark = pytest.mark.integration
@@ -158,6 +159,18 @@ async def test_aio_client(relay) -> None:
         results = await asyncio.gather(*(client.infer(MODEL, _inputs(values)) for _ in range(20)))
         for result in results:
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), values)
+
+
+async def test_a_burst_of_calls_on_one_connection_is_answered_whole(relay) -> None:
+    # Far more calls at once than the relay starts per pass for one connection: the rest
+    # wait for later passes, in order, and each is answered with its own data.
+    count = 25 * CALLS_PER_PASS
+    async with aioclient.InferenceServerClient(relay.url) as client:
+        calls = asyncio.gather(*(client.infer(MODEL, _inputs(_values(4) + i), request_id=str(i)) for i in range(count)))
+        results = await asyncio.wait_for(calls, timeout=60)
+    for i, result in enumerate(results):
+        assert result.get_response().id == str(i)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), _values(4) + i)
 
 
 def test_stream_with_many_requests_in_flight(relay) -> None:

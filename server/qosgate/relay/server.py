@@ -447,6 +447,12 @@ class Call:
         self.down.relay.flusher.later(decision.on_finish, end)
 
 
+# Calls one connection starts per pass of the event loop: a caller whose burst brings many
+# at once (a tight loop of refused retries, say) goes on in the next pass, after the other
+# connections' calls that are ready by then.
+CALLS_PER_PASS = 8
+
+
 class DownstreamConnection(Peer):
     """A tenant's HTTP/2 connection (server role)."""
 
@@ -457,6 +463,8 @@ class DownstreamConnection(Peer):
         # Request bytes read for policies still deciding, over all of this connection's calls.
         self.pending_bytes = 0
         self.caller = ConnectionCredentials()  # with the verified TLS certificate, if any
+        # Events left for the next pass of the event loop (CALLS_PER_PASS), and any after them.
+        self._backlog: list[http2.Event] | None = None
         self._certificate_headers: list[http2.Header] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -474,10 +482,14 @@ class DownstreamConnection(Peer):
         return [*(h for h in headers if not h[0].startswith(PEER_HEADER_PREFIX)), *self._certificate_headers]
 
     def handle(self, events: list[http2.Event]) -> None:
+        if self._backlog is not None:  # an earlier burst waits for the next pass: after it
+            self._backlog.extend(events)
+            return
         # Most frequent first: this runs for every frame a caller sends, and a unary call
         # brings two WINDOW_UPDATEs (nothing to do: the session applies them itself).
         calls = self.calls
-        for event in events:
+        started = 0
+        for index, event in enumerate(events):
             if isinstance(event, http2.WindowUpdated):
                 continue
             if isinstance(event, http2.DataReceived):
@@ -487,6 +499,11 @@ class DownstreamConnection(Peer):
                 else:
                     self.h2.acknowledge(event.stream_id, len(event.data))
             elif isinstance(event, http2.RequestReceived):
+                if started == CALLS_PER_PASS:
+                    self._backlog = events[index:]
+                    self.relay.loop.call_soon(self._resume)
+                    return
+                started += 1
                 route = self.relay.route_of(http2.header(event.headers, b":path") or b"")
                 if isinstance(route, Served):
                     served = ServerStream(self, event.stream_id, event.headers, route.handler)
@@ -512,8 +529,14 @@ class DownstreamConnection(Peer):
             elif isinstance(event, http2.GoAwayReceived):
                 self.went_away = True
 
+    def _resume(self) -> None:
+        events, self._backlog = self._backlog, None
+        if events is not None and not self.closed:
+            self.handle(events)
+
     def lost(self) -> None:
         self.relay.clients.discard(self)
+        self._backlog = None
         calls, self.calls = self.calls, {}
         for call in calls.values():
             call.client_closed()
