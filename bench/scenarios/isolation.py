@@ -249,7 +249,7 @@ async def profiled_phase(stack: Stack, target: load.Target, work: Workload, cap:
 def run(ctx: RunContext) -> ScenarioResult:
     # A full run's phases last a minute: the critical stream's p99 is then about its sixth-
     # slowest of some 600 calls, not its third of 300 (four full runs of 30 s phases put
-    # the same code at 1.84-2.69x unloaded at the 4x flood).
+    # the 4x flood's p99 at 1.84-2.69x the unloaded one, on the same code).
     seconds = ctx.pick(6.0, 60.0)
     works = [
         Workload("minilm", embedding, streaming=False, critical_rate=10.0, timeout=10.0, batch_timeout=10.0,

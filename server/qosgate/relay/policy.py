@@ -132,9 +132,8 @@ def status_headers(refusal: Refuse) -> list[Header]:
 def _status_fields(status: int, message: str) -> tuple[Header, ...]:
     """grpc-status and grpc-message, encoded once per pair: a caller retrying a refused
     call gets the same pair again."""
-    if not message:
-        return ((b"grpc-status", str(status).encode()),)
-    return (b"grpc-status", str(status).encode()), (b"grpc-message", cut_message(percent_encode(message)))
+    code = (b"grpc-status", str(status).encode())
+    return (code, (b"grpc-message", cut_message(percent_encode(message)))) if message else (code,)
 
 
 def percent_encode(message: str) -> bytes:
