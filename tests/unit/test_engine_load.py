@@ -1,9 +1,17 @@
-"""Reading the engines' saturation off Triton's metrics text (the three engines we know)."""
+"""Reading the engines' saturation off Triton's metrics text (the three engines we know),
+and scraping it from a real HTTP server."""
 
 from __future__ import annotations
 
+import logging
+import socket
+
+import pytest
+from aiohttp import web
+
 from qosgate.scheduler import EngineLoad
-from qosgate.upstream.engine_load import parse_engine_load
+from qosgate.upstream.engine_load import EngineLoadReader, parse_engine_load
+from tests.fakes import until
 
 OURS = """\
 # HELP vllm_engine_requests_waiting Requests queued in the engine's scheduler
@@ -67,3 +75,43 @@ def test_engine_samples_amid_a_large_page_of_other_families() -> None:
     }
     # Not a metrics page at all (a proxy's error page): no reading, no exception.
     assert parse_engine_load("<html><body>502 Bad Gateway</body></html>\n") == {}
+
+
+async def test_the_reader_scrapes_over_one_kept_alive_connection_and_names_a_dead_port_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clients: list[object] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        clients.append(request.transport and request.transport.get_extra_info("peername"))
+        return web.Response(text=OURS)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+    per_model: dict[str, EngineLoad] = {}
+    per_upstream: dict[tuple[str, str], EngineLoad] = {}
+    reader = EngineLoadReader(
+        [("live", f"http://127.0.0.1:{port}/metrics"), ("dead", f"http://127.0.0.1:{dead}/metrics")],
+        per_model.__setitem__,
+        lambda upstream, model, load: per_upstream.__setitem__((upstream, model), load),
+    )
+    caplog.set_level(logging.WARNING, "qosgate.upstream.engine_load")
+    reader.start()
+    try:
+        await until(lambda: len(clients) >= 3)
+    finally:
+        await reader.close()
+        await runner.cleanup()
+    assert per_model["smollm2"] == EngineLoad(waiting=3, kv_cache_usage=0.42)
+    assert per_upstream == {("live", "smollm2"): EngineLoad(waiting=3, kv_cache_usage=0.42)}
+    assert len(set(clients)) == 1, "every scrape went over the first connection"
+    dead_port_warnings = [r for r in caplog.records if str(dead) in r.getMessage()]
+    assert len(dead_port_warnings) == 1
