@@ -53,6 +53,7 @@ from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
+from qosgate.relay import upstream as relay_upstream
 from qosgate.relay.infer_policy import InferAdmissionPolicy
 from qosgate.relay.server import Relay
 from qosgate.relay.stream_infer import StreamInferHandler
@@ -251,7 +252,8 @@ class Gateway:
 
         self.pool.on_health_change(self._publish_health)
         await self._publish_health(False)
-        await self.pool.start()
+        tritons = await self._open_relay()
+        await self.pool.start(tritons)
         self._engine_load.start()
         self.metrics.watch(
             self.scheduler.snapshot, lambda: ((u.name, u.live) for u in self.pool.upstreams)
@@ -278,7 +280,7 @@ class Gateway:
             await self.openai.start()
         await server.start()
         self._server = server
-        self.port = await self._start_relay(grpcio_address)
+        self.port = await self._serve_relay(tritons, grpcio_address)
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
@@ -291,10 +293,9 @@ class Gateway:
             self.config.summary(),
         )
 
-    async def _start_relay(self, grpcio_address: str) -> int:
-        """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
-        policy, ModelStreamInfer served message by message, every other call to the grpcio
-        server; returns the listening port."""
+    async def _open_relay(self) -> dict[str, relay_upstream.UpstreamPool]:
+        """The relay, and its connections to each Triton (by upstream name), open: the
+        health checks go over them before the relay serves."""
         limits = self.config.limits
         tls = self.config.tls
         relay = self._relay = Relay(
@@ -307,9 +308,19 @@ class Gateway:
             u.name: relay.upstream(u.url, tls=client_context(u.tls) if u.tls is not None else None)
             for u in self.config.upstreams
         }
-        grpcio = relay.upstream(grpcio_address, connections=1)
-        for pool in (*tritons.values(), grpcio):
+        for pool in tritons.values():
             await pool.start()
+        return tritons
+
+    async def _serve_relay(self, tritons: dict[str, relay_upstream.UpstreamPool], grpcio_address: str) -> int:
+        """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
+        policy, ModelStreamInfer served message by message, every other call to the grpcio
+        server; returns the listening port."""
+        relay = self._relay
+        assert relay is not None
+        limits = self.config.limits
+        grpcio = relay.upstream(grpcio_address, connections=1)
+        await grpcio.start()
         policy = InferAdmissionPolicy(
             config=self.config,
             plane=self.dataplane,

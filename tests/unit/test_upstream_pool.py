@@ -3,7 +3,8 @@
 Choice: live upstreams only; for a model, those that have it ready first; then the fewest
 in flight, round-robin among equals, or prefix affinity by the model's routing; failover
 once to another upstream. Health: ServerLive and the ready models of the
-repository index, checked against an in-process fake Triton over a real gRPC channel.
+repository index, checked against an in-process fake Triton (a grpcio server) over the
+relay's HTTP/2 connections, as the gateway checks them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from qosgate.config import RoutingConfig, UpstreamConfig
 from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
+from qosgate.relay.peer import Flusher
+from qosgate.relay.upstream import UpstreamPool as Connections
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.pool import SLOW_PROBES_BEFORE_DOWN
@@ -171,10 +174,13 @@ class BusyTriton(LoadingTriton):
 async def started(port: int, check_interval_s: float, check_timeout_s: float = 1.0) -> AsyncIterator[UpstreamPool]:
     config = UpstreamConfig(name="t", url=f"127.0.0.1:{port}")
     pool = UpstreamPool([config], check_interval_s=check_interval_s, check_timeout_s=check_timeout_s)
-    await pool.start()
+    connections = Connections(Flusher(), config.url)
+    await connections.start()
+    await pool.start({config.name: connections})
     try:
         yield pool
     finally:
+        await connections.stop()
         await pool.close()
 
 
@@ -210,7 +216,7 @@ async def test_an_unreadable_index_keeps_the_upstream_live_without_the_hint() ->
 
 
 async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -> None:
-    """The channel's connectivity drives the checks: the hourly poll never runs here."""
+    """The relay's connections drive the checks: the hourly poll never runs here."""
     changes: list[bool] = []
 
     async def listener(live: bool) -> None:

@@ -1,8 +1,10 @@
 """A few persistent HTTP/2 connections per upstream gRPC server, carrying many calls each.
 
 Triton (or the gateway's own grpcio server on a unix socket) is reached over long-lived
-connections opened at start and reopened when lost; a call takes a stream on the least
-busy one. Events of a stream go to the call that opened it (`StreamListener`).
+connections opened at start and reopened when lost (at once, then with backoff); a call
+takes a stream on the least busy one. Events of a stream go to the call that opened it
+(`StreamListener`). The gateway's own calls (health checks) are `UpstreamPool.unary`, and
+`UpstreamPool.watch` tells when a connection opens or is lost.
 """
 
 from __future__ import annotations
@@ -11,17 +13,24 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from qosgate.relay import http2
+from qosgate.relay import framing, http2
+from qosgate.relay.messages import ClientStream, StreamError
 from qosgate.relay.peer import Flusher, Peer
+from qosgate.relay.policy import DEADLINE_EXCEEDED, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
 # Streams the relay asks the upstream to allow it to open on one connection.
 _MAX_STREAMS_ADVERTISED = 1000
-_RECONNECT_DELAYS_S = (0.05, 0.2, 1.0, 2.0)
+# A lost connection is retried at once, then at most half a second apart: an attempt that
+# often to a down upstream costs nothing, and the health checks wait on it to take the
+# upstream back.
+_RECONNECT_DELAYS_S = (0.05, 0.2, 0.5)
+# The largest response the gateway's own calls (`UpstreamPool.unary`) take.
+_MAX_OWN_RESPONSE = 64 << 20
 
 
 class StreamListener(Protocol):
@@ -38,11 +47,12 @@ class StreamListener(Protocol):
 class UpstreamConnection(Peer):
     """One client-role HTTP/2 connection to an upstream server."""
 
-    def __init__(self, flusher: Flusher, name: str) -> None:
+    def __init__(self, flusher: Flusher, name: str, on_lost: Callable[[], None] | None = None) -> None:
         super().__init__(flusher, server=False, max_concurrent_streams=_MAX_STREAMS_ADVERTISED)
         self.name = name
         self.streams: dict[int, StreamListener] = {}
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._on_lost = on_lost
 
     def open_stream(
         self, headers: Sequence[http2.Header], listener: StreamListener, *, end_stream: bool
@@ -99,6 +109,8 @@ class UpstreamConnection(Peer):
         streams, self.streams = self.streams, {}
         for listener in streams.values():
             listener.upstream_lost()
+        if self._on_lost is not None:
+            self._on_lost()
 
 
 class UpstreamPool:
@@ -114,6 +126,15 @@ class UpstreamPool:
         self._keeper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        self._watchers: list[Callable[[], None]] = []
+        self._failures = 0  # connection attempts in a row that failed
+        scheme = b"http" if tls is None else b"https"
+        authority = b"localhost" if address.startswith("unix:") else address.encode()
+        self._call_headers = ((b":method", b"POST"), (b":scheme", scheme), (b":authority", authority))
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever a connection of the pool opens or is lost."""
+        self._watchers.append(callback)
 
     async def start(self) -> None:
         """Open the connections, then keep them open; an upstream not there yet is retried
@@ -122,7 +143,8 @@ class UpstreamPool:
             try:
                 self._connections.append(await self._connect())
             except OSError as e:  # ssl.SSLError included
-                log.warning("upstream %s: not reachable yet (%s)", self.address, e)
+                log.warning("upstream %s: not reachable yet (%s); retrying in the background", self.address, e)
+                self._failures = 1
                 self._wake.set()
                 break
         self._keeper = asyncio.create_task(self._keep_open(), name=f"relay-upstream {self.address}")
@@ -147,9 +169,50 @@ class UpstreamPool:
             self._wake.set()
         return best
 
+    async def unary(self, path: bytes, message: bytes, timeout_s: float) -> tuple[int, bytes | None]:
+        """One unary gRPC call of the gateway's own: (its grpc-status, the response message,
+        None without one). UNAVAILABLE when no connection is open; DEADLINE_EXCEEDED when no
+        answer came within `timeout_s` (the call is cancelled)."""
+        conn = self.pick()
+        if conn is None:
+            return UNAVAILABLE, None
+        headers = (
+            *self._call_headers,
+            (b":path", path),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+            (b"grpc-timeout", framing.format_timeout(timeout_s)),
+        )
+        call = ClientStream(conn, headers, _MAX_OWN_RESPONSE)
+        response = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await call.write(message)
+                call.done_writing()
+                response = await call.read()
+                while await call.read() is not None:  # a unary call answers one message
+                    pass
+        except TimeoutError:
+            call.cancel()
+            return DEADLINE_EXCEEDED, None
+        except StreamError:  # the call ended before the request went out
+            pass
+        status = call.status if call.status is not None else UNAVAILABLE
+        return status, (response if status == 0 else None)
+
+    def _lost(self) -> None:
+        """A connection closed: reopen it now (not at the next call), and say so."""
+        if not self._stopping:
+            self._wake.set()
+            self._changed()
+
+    def _changed(self) -> None:
+        for callback in self._watchers:
+            callback()
+
     async def _connect(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
-        conn = UpstreamConnection(self._flusher, self.address)
+        conn = UpstreamConnection(self._flusher, self.address, self._lost)
         if self.address.startswith("unix:"):
             await loop.create_unix_connection(lambda: conn, self.address[len("unix:") :])
         else:
@@ -163,8 +226,9 @@ class UpstreamPool:
         return conn
 
     async def _keep_open(self) -> None:
-        """Replace connections that closed or were told to go away, with backoff."""
-        failures = 0
+        """Replace connections that closed or were told to go away, with backoff. A
+        failed attempt is logged once per outage (an upstream down for an hour is one
+        warning, not one every few seconds)."""
         while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
@@ -177,11 +241,18 @@ class UpstreamPool:
                     conn.transport.close()  # drained after GOAWAY
                 try:
                     self._connections[index] = await self._connect()
-                    failures = 0
                 except OSError as e:  # ssl.SSLError included
-                    delay = _RECONNECT_DELAYS_S[min(failures, len(_RECONNECT_DELAYS_S) - 1)]
-                    failures += 1
-                    log.warning("upstream %s: reconnect failed (%s); retrying in %.2fs", self.address, e, delay)
-                    await asyncio.sleep(delay)
+                    failures = self._failures
+                    if failures == 0:
+                        log.warning(
+                            "upstream %s: cannot connect (%s); retrying every %g s or less",
+                            self.address, e, _RECONNECT_DELAYS_S[-1],
+                        )
+                    self._failures += 1
+                    await asyncio.sleep(_RECONNECT_DELAYS_S[min(failures, len(_RECONNECT_DELAYS_S) - 1)])
                     self._wake.set()
                     break
+                if self._failures:
+                    log.info("upstream %s: connected after %d failed attempts", self.address, self._failures)
+                    self._failures = 0
+                self._changed()

@@ -1,8 +1,11 @@
 """A pool of Triton gRPC endpoints: liveness, per-model readiness, routing, failover.
 
-Calls go out as bytes: each upstream holds one grpc.aio channel and one bytes-in/bytes-out
-multicallable per KServe method, made once, so the hot path neither re-encodes messages
-nor builds stubs.
+Calls of the gateway's own APIs go out as bytes: each upstream holds one grpc.aio channel
+and one bytes-in/bytes-out multicallable per KServe method, made once, so the hot path
+neither re-encodes messages nor builds stubs. The health checks go over the relay's
+HTTP/2 connections to the same upstream (relay/upstream.py): a check there costs a
+fraction of a grpc.aio call's CPU, and watching a grpc.aio channel's connectivity cost an
+idle gateway more than all its other work together.
 
 Health has Triton's own two levels. An upstream takes calls while it is *live* (ServerLive);
 which models it has *ready* (its RepositoryIndex) only steers a call for a model towards
@@ -19,9 +22,10 @@ checks in a row went unanswered: a Triton whose CPUs an engine saturates answers
 calling it down refused every call it was serving well (and its only upstream, everyone's).
 
 The state is refreshed every `check_interval_s`, and at once when a call saw UNAVAILABLE,
-when a repository load or unload went through the gateway (`recheck`), and when an
-upstream's channel connects or loses its connection. With the reconnect backoff bounded
-(`_CHANNEL_OPTIONS`) a restarted Triton is taken back within about a second of listening.
+when a repository load or unload went through the gateway (`recheck`), and when one of the
+relay's connections to the upstream opens or is lost. A lost connection is reopened at once
+and then at most half a second apart, so a restarted Triton is taken back within about half
+a second of listening.
 
 Which live upstream gets a call is each model's routing policy (upstream/routing.py: least
 loaded, or prefix affinity with bounded loads). A call that failed UNAVAILABLE before its
@@ -35,16 +39,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import functools
 import logging
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from qosgate.config import RoutingConfig, UpstreamConfig, UpstreamTlsConfig
 from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
+from qosgate.relay import upstream as relay_upstream
 from qosgate.scheduler.window import EngineLoad
 from qosgate.tls import channel_credentials
 from qosgate.upstream.routing import Candidate, HashRing, Outcome, PrefixAffinity, least_loaded, routing_key
@@ -55,6 +62,9 @@ SERVICE = "inference.GRPCInferenceService"
 METHODS = tuple(m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods)
 _SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
 _READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
+_SERVER_LIVE_PATH = f"/{SERVICE}/ServerLive".encode()
+_REPOSITORY_INDEX_PATH = f"/{SERVICE}/RepositoryIndex".encode()
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 # Checks in a row that got no answer in time before a live upstream counts as down.
 SLOW_PROBES_BEFORE_DOWN = 3
@@ -213,6 +223,8 @@ class UpstreamPool:
         # The loop keeps only weak references to tasks: these hold them until they end.
         self._background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        # The relay's connections to each upstream, which the checks go over (`start`).
+        self._connections: Mapping[str, relay_upstream.UpstreamPool] = {}
         self._live = False
 
     @property
@@ -303,16 +315,16 @@ class UpstreamPool:
         or its model repository changed (a load or unload went through the gateway)."""
         self._spawn(self._check(upstream), f"upstream-recheck {upstream.name}")
 
-    async def start(self) -> None:
-        """Check every upstream once (so the gateway starts with a known state), then poll
-        and follow each channel's connectivity."""
+    async def start(self, connections: Mapping[str, relay_upstream.UpstreamPool]) -> None:
+        """Check every upstream once over `connections` (the relay's, by upstream name; so
+        the gateway starts with a known state), then poll, and check an upstream again
+        whenever one of its connections opens or is lost."""
+        self._connections = connections
         for upstream in self.upstreams:
             upstream.open()
+            connections[upstream.name].watch(functools.partial(self.recheck, upstream))
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._poll(), name="upstream-health"))
-        for upstream in self.upstreams:
-            name = f"upstream-connectivity {upstream.name}"
-            self._tasks.append(asyncio.create_task(self._follow_connectivity(upstream), name=name))
 
     async def close(self) -> None:
         tasks = [*self._tasks, *self._background]
@@ -354,23 +366,21 @@ class UpstreamPool:
 
     async def _probe(self, upstream: Upstream) -> tuple[bool, frozenset[str] | None] | None:
         """(live, ready models) as `upstream` answers them; None if it did not answer in time."""
-        try:
-            raw = await upstream.unary("ServerLive")(_SERVER_LIVE, timeout=self._check_timeout_s)
-        except grpc.aio.AioRpcError as error:
-            if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return None
+        connections = self._connections[upstream.name]
+        status, raw = await connections.unary(_SERVER_LIVE_PATH, _SERVER_LIVE, self._check_timeout_s)
+        if status == _DEADLINE_EXCEEDED:
+            return None
+        live = None if raw is None else _parsed(service_pb2.ServerLiveResponse, raw)
+        if live is None or not live.live:
             return False, frozenset()
-        if not service_pb2.ServerLiveResponse.FromString(raw).live:
-            return False, frozenset()
-        try:
-            raw = await upstream.unary("RepositoryIndex")(_READY_MODELS, timeout=self._check_timeout_s)
-        except grpc.aio.AioRpcError as error:
-            if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return True, upstream.ready_models  # live and slow: keep the last index
+        status, raw = await connections.unary(_REPOSITORY_INDEX_PATH, _READY_MODELS, self._check_timeout_s)
+        if status == _DEADLINE_EXCEEDED:
+            return True, upstream.ready_models  # live and slow: keep the last index
+        index = None if raw is None else _parsed(service_pb2.RepositoryIndexResponse, raw)
+        if index is None:
             # Live but the index is not for us (e.g. Triton's restricted repository
             # protocol): route without the hint rather than call the upstream down.
             return True, None
-        index = service_pb2.RepositoryIndexResponse.FromString(raw)
         return True, frozenset(m.name for m in index.models)
 
     def _publish(self) -> None:
@@ -395,21 +405,13 @@ class UpstreamPool:
             except Exception:  # a poll must never die: log and keep polling
                 log.exception("upstream health check failed")
 
-    async def _follow_connectivity(self, upstream: Upstream) -> None:
-        """Check `upstream` whenever its channel's connection disagrees with its health:
-        connected while not live (it came back), or not connected while live (it went away).
 
-        An idle channel is asked to connect at once: after a lost connection gRPC would
-        wait for the next call, and the next poll may be a second away.
-        """
-        channel = upstream.channel
-        assert channel is not None
-        state = channel.get_state(try_to_connect=True)
-        while True:
-            if (state is grpc.ChannelConnectivity.READY) != upstream.live:
-                try:
-                    await self._check(upstream)
-                except Exception:  # like the poll: log and keep following
-                    log.exception("upstream health check failed")
-            await channel.wait_for_state_change(state)
-            state = channel.get_state(try_to_connect=True)
+M = TypeVar("M", bound=Message)
+
+
+def _parsed(message_type: type[M], raw: bytes) -> M | None:
+    """An upstream's answer parsed; None when it is not one (a server that is not Triton)."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        return None
