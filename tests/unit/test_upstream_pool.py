@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -237,6 +239,31 @@ async def test_a_restarted_upstream_is_live_again_without_waiting_for_a_poll() -
         async with fake_triton(triton, port):  # and comes back on the same port
             await until(lambda: changes == [False, True])
             assert pool.pick("identity") is pool.upstreams[0]
+
+
+async def test_a_connection_refused_for_a_while_is_one_warning_and_reopens_by_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on, yet
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    caplog.set_level(logging.INFO, "qosgate.relay.upstream")
+    connections = Connections(Flusher(), f"127.0.0.1:{port}")
+    opened: list[bool] = []
+    connections.watch(lambda: opened.append(True))
+    await connections.start()
+    try:
+        assert connections.pick() is None
+        await asyncio.sleep(1.5)  # attempts 0.05, 0.2 and then 0.5 s apart, all refused
+        assert not opened
+        async with fake_triton(LiveOnlyTriton(), port):  # no call asks for it: it reopens anyway
+            await until(lambda: opened)
+            assert connections.pick() is not None
+    finally:
+        await connections.stop()
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "qosgate.relay.upstream"]
+    assert [level for level, _ in records] == [logging.WARNING, logging.INFO], records
+    assert "failed attempts" in records[1][1]
 
 
 async def test_a_slow_answer_is_not_down_until_it_lasts() -> None:
