@@ -259,6 +259,7 @@ async def test_a_connection_refused_for_a_while_is_one_warning_and_reopens_by_it
         async with fake_triton(LiveOnlyTriton(), port):  # no call asks for it: it reopens anyway
             await until(lambda: opened)
             assert connections.pick() is not None
+            await connections.stop()  # before the server goes: that would be an outage of its own
     finally:
         await connections.stop()
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "qosgate.relay.upstream"]
