@@ -241,15 +241,74 @@ def _check(buf: memoryview, schema: _Schema, budget: _FieldBudget) -> None:
             _check_field(buf, start, end, number, schema, budget)
 
 
-@dataclass(slots=True)
 class InferRequestHead:
-    """The routing fields of a ModelInferRequest (last occurrence wins, as in protobuf)."""
+    """The routing fields of a ModelInferRequest (last occurrence wins, as in protobuf).
 
-    model_name: str = ""
-    id: str = ""
-    wants_empty_final: bool = False
-    rows: int = 1
-    """The first dimension of the first input's shape: the batch size (the `text` cost)."""
+    Of a message the protobuf runtime parsed, the fields but the model name are read when
+    first asked for: a unary call reads the model name alone (and its batch rows only
+    under the `text` cost), and each read through the runtime costs several microseconds
+    with the cold caches a call at low concurrency meets."""
+
+    __slots__ = ("model_name", "_request", "_id", "_wants_empty_final", "_rows")
+
+    def __init__(
+        self,
+        model_name: str = "",
+        *,
+        id: str = "",  # noqa: A002 - the protobuf field's name
+        wants_empty_final: bool = False,
+        rows: int = 1,
+        request: service_pb2.ModelInferRequest | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self._request = request
+        self._id: str | None = id if request is None else None
+        self._wants_empty_final: bool | None = wants_empty_final if request is None else None
+        self._rows: int | None = rows if request is None else None
+
+    def fields(self) -> tuple[str, str, bool, int]:
+        """(model_name, id, wants_empty_final, rows), each read."""
+        return self.model_name, self.id, self.wants_empty_final, self.rows
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InferRequestHead) and self.fields() == other.fields()
+
+    __hash__ = None  # type: ignore[assignment]  # equal by its fields, which may be read late
+
+    def __repr__(self) -> str:
+        return "InferRequestHead(model_name={!r}, id={!r}, wants_empty_final={!r}, rows={!r})".format(*self.fields())
+
+    @property
+    def id(self) -> str:
+        if self._id is None:
+            assert self._request is not None
+            self._id = self._request.id
+        return self._id
+
+    @property
+    def wants_empty_final(self) -> bool:
+        """The caller asked for an empty final response (`triton_enable_empty_final_response`)."""
+        if self._wants_empty_final is None:
+            assert self._request is not None
+            self._wants_empty_final = False
+            parameters = self._request.parameters
+            if parameters and EMPTY_FINAL_PARAM in parameters:
+                param = parameters[EMPTY_FINAL_PARAM]
+                self._wants_empty_final = param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+        return self._wants_empty_final
+
+    @property
+    def rows(self) -> int:
+        """The first dimension of the first input's shape: the batch size (the `text` cost)."""
+        if self._rows is None:
+            assert self._request is not None
+            self._rows = 1
+            inputs = self._request.inputs
+            if inputs:
+                shape = inputs[0].shape
+                if shape:
+                    self._rows = shape[0] % (1 << 64)  # as the walk reads it: unsigned
+        return self._rows
 
 
 def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
@@ -267,9 +326,15 @@ def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
     definition as strictly as Triton's parser. Larger ones are walked under the budget.
     """
     if len(buf) <= 2 * max_fields:
-        return _parsed_head(buf)
+        try:
+            request = service_pb2.ModelInferRequest.FromString(buf)
+        except DecodeError as e:
+            raise WireError(str(e)) from None
+        return InferRequestHead(request.model_name, request=request)
     budget = _FieldBudget(max_fields)
-    head = InferRequestHead()
+    model_name = request_id = ""
+    wants_empty_final = False
+    rows = 1
     first_input = True
     for number, wire_type, start, end in _fields(buf, budget):
         if wire_type != _LEN:
@@ -277,34 +342,16 @@ def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
         _check_field(buf, start, end, number, _INFER_REQUEST, budget)
         if number == _REQUEST_INPUTS and first_input:
             first_input = False
-            head.rows = _first_dimension(buf[start:end], head.rows, budget)
+            rows = _first_dimension(buf[start:end], rows, budget)
         elif number == _MODEL_NAME:
-            head.model_name = str(buf[start:end], "utf-8")
+            model_name = str(buf[start:end], "utf-8")
         elif number == _ID:
-            head.id = str(buf[start:end], "utf-8")
+            request_id = str(buf[start:end], "utf-8")
         elif number == _PARAMETERS:
             entry = buf[start:end]
             if _map_entry_key(entry, budget) == EMPTY_FINAL_PARAM:
-                head.wants_empty_final = bool(_map_entry_bool(entry, budget))
-    return head
-
-
-def _parsed_head(buf: bytes | memoryview) -> InferRequestHead:
-    try:
-        request = service_pb2.ModelInferRequest.FromString(buf)
-    except DecodeError as e:
-        raise WireError(str(e)) from None
-    head = InferRequestHead(request.model_name, request.id)
-    parameters = request.parameters
-    if parameters and EMPTY_FINAL_PARAM in parameters:
-        param = parameters[EMPTY_FINAL_PARAM]
-        head.wants_empty_final = param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
-    inputs = request.inputs
-    if inputs:
-        shape = inputs[0].shape
-        if shape:
-            head.rows = shape[0] % (1 << 64)  # as the walk reads it: unsigned
-    return head
+                wants_empty_final = bool(_map_entry_bool(entry, budget))
+    return InferRequestHead(model_name, id=request_id, wants_empty_final=wants_empty_final, rows=rows)
 
 
 def _first_dimension(tensor: bytes | memoryview, default: int, budget: _FieldBudget) -> int:

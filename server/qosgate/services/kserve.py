@@ -157,7 +157,9 @@ def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> infer_wire.I
 
 def request_cost(config: GatewayConfig, head: infer_wire.InferRequestHead, size: int) -> float:
     """What a KServe request of `size` bytes costs in fair share (its model's cost unit)."""
-    return unit_cost(config.model_policy(head.model_name).cost_unit, texts=head.rows, size=size)
+    unit = config.model_policy(head.model_name).cost_unit
+    # The rows are read only where they are the cost: reading them walks into the inputs.
+    return unit_cost(unit, texts=head.rows if unit == "text" else 1, size=size)
 
 
 def dispatch_fragment(level: int, remaining_s: float | None) -> bytes:
