@@ -229,6 +229,21 @@ class Stack:
                 return f"tritonserver on {replica.ports.grpc_url} died ({how}); log tail:\n{replica.log_tail(20)}"
         return None
 
+    def restart_dead_tritons(self) -> list[str]:
+        """Start again, on the same ports, every Triton replica that died (its hops
+        reconnect by themselves); returns the reasons they died."""
+        reasons = []
+        for replica in self.replicas:
+            code = replica.exit_code()
+            if code is None:
+                continue
+            reasons.append(f"tritonserver on {replica.ports.grpc_url} died "
+                           f"({f'signal {-code}' if code < 0 else f'exit status {code}'})")
+            replica.stop()
+            replica.start()
+            replica.wait_ready()
+        return reasons
+
     def pending(self, model: str) -> int:
         """Requests the Tritons hold for `model` (queued or executing), from their metrics."""
         total = 0

@@ -63,7 +63,24 @@ def successes(triton_url: str) -> int:
 
 
 def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
-                   concurrency: int, settings: perf.PerfSettings, *, streaming: bool = False) -> Sample:
+                   concurrency: int, settings: perf.PerfSettings, *, notes: list[str],
+                   streaming: bool = False) -> Sample:
+    """One point; measured once more after a Triton that died under it (tritonserver 2.51
+    crashes now and then under `--streaming`, README) was started again, said in `notes`."""
+    try:
+        return _measure_target(stack, target, url, hop, concurrency, settings, streaming=streaming)
+    except perf.PerfAnalyzerFailed:
+        died = stack.restart_dead_tritons()
+        if not died:
+            raise
+    what = f"{target} at concurrency {concurrency}{' streaming' if streaming else ''}"
+    log.warning("%s while measuring %s: restarted it, measuring again", "; ".join(died), what)
+    notes.append(f"{'; '.join(died)} while {what} was measured: restarted, and the point measured again.")
+    return _measure_target(stack, target, url, hop, concurrency, settings, streaming=streaming)
+
+
+def _measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
+                    concurrency: int, settings: perf.PerfSettings, *, streaming: bool) -> Sample:
     headers = (f"authorization:Bearer {API_KEY}",) if target == "qosgate" else ()
     before_count = successes(stack.triton_url)
     before_cpu = hop.cpu_seconds() if hop else 0.0
@@ -115,9 +132,11 @@ def run(ctx: RunContext) -> ScenarioResult:
         for concurrency in levels:
             # Targets interleave at each level so machine drift hits them alike.
             for name, url, hop in targets:
-                samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings)))
+                samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings,
+                                                            notes=notes)))
         for name, url, hop in targets:
-            samples.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, streaming=True)))
+            samples.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, notes=notes,
+                                                 streaming=True)))
         if stack.gateway is not None and profile.py_spy() is not None:
             measured = next(s for c, s in samples if c == BUSY and s.target == "qosgate" and not s.streaming)
             found = profile_gateway(stack, stack.gateway_url, BUSY, measured.point.throughput, ctx.pick(5.0, 15.0))
