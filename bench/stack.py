@@ -185,6 +185,15 @@ def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str,
     return doc
 
 
+def _death(replica: LocalTriton) -> str | None:
+    """How a Triton replica ended ("... died (signal 11)"); None while it runs."""
+    code = replica.exit_code()
+    if code is None:
+        return None
+    how = f"signal {-code}" if code < 0 else f"exit status {code}"
+    return f"tritonserver on {replica.ports.grpc_url} died ({how})"
+
+
 class Stack:
     """Triton plus the optional hops in front of it, all stopped on exit.
 
@@ -223,10 +232,9 @@ class Stack:
         """Why a Triton replica is gone, with its log tail; None while all of them run
         (`perf.measure`'s `watch`)."""
         for replica in self.replicas:
-            code = replica.exit_code()
-            if code is not None:
-                how = f"signal {-code}" if code < 0 else f"exit status {code}"
-                return f"tritonserver on {replica.ports.grpc_url} died ({how}); log tail:\n{replica.log_tail(20)}"
+            death = _death(replica)
+            if death is not None:
+                return f"{death}; log tail:\n{replica.log_tail(20)}"
         return None
 
     def restart_dead_tritons(self) -> list[str]:
@@ -234,11 +242,10 @@ class Stack:
         reconnect by themselves); returns the reasons they died."""
         reasons = []
         for replica in self.replicas:
-            code = replica.exit_code()
-            if code is None:
+            death = _death(replica)
+            if death is None:
                 continue
-            reasons.append(f"tritonserver on {replica.ports.grpc_url} died "
-                           f"({f'signal {-code}' if code < 0 else f'exit status {code}'})")
+            reasons.append(death)
             replica.stop()
             replica.start()
             replica.wait_ready()
