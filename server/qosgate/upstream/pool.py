@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
