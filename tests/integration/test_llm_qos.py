@@ -179,24 +179,32 @@ def quota_gateway(triton: LocalTriton) -> Iterator[GatewayThread]:
 def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_gateway: GatewayThread) -> None:
     metadata = tuple(bearer("kv-key").items())
 
-    async def one(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int) -> tuple[float, float]:
-        """(time of the first text, time of the final response) of one generation."""
+    async def one(
+        stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int, started: asyncio.Event | None = None
+    ) -> tuple[float, float]:
+        """(time of the first text, time of the final response) of one generation; `started`
+        is set at its first text."""
         first = 0.0
         async for response in stub.GenerateStream(_counting(max_tokens), metadata=metadata, timeout=120):
             if response.text and not first:
                 first = time.monotonic()
+                if started is not None:
+                    started.set()
         return first, time.monotonic()
 
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(quota_gateway.url) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            # Each holds prompt + 128 tokens: one fits in 250, two do not.
-            first = asyncio.create_task(one(stub, LONG_TOKENS))
-            await asyncio.sleep(0.2)
+            # Each holds prompt + 128 tokens: one fits in 250, two do not. The second is sent
+            # once the first streams (so it is admitted and holds its tokens): however slow
+            # the machine, the order is fixed.
+            running = asyncio.Event()
+            first = asyncio.create_task(one(stub, LONG_TOKENS, running))
+            await asyncio.wait_for(running.wait(), timeout=60)
             second = asyncio.create_task(one(stub, LONG_TOKENS))
             (_, first_end), (second_start, _) = await asyncio.gather(first, second)
             # Queued in the gateway, not refused: it ran, and only after the first finished.
-            assert second_start >= first_end
+            assert second_start >= first_end, (second_start, first_end)
             # Alone more than the quota: refused at once, with nothing queued.
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await one(stub, 1000)
