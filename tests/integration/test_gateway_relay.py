@@ -4,7 +4,8 @@ UNAVAILABLE before any response.
 
 Upstream `b` is a gRPC server that says it is a live Triton with `identity` ready and
 fails every ModelInfer UNAVAILABLE, as a Triton does while its model is not ready; `a` is
-the real Triton. Every call through the gateway must succeed, served by `a`.
+the real Triton. Every call through the gateway must succeed, served by `a`. What `b`
+receives shows what the gateway sends a Triton: the caller's headers, less its credentials.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class UnavailableReplica:
     def __init__(self) -> None:
         self.port = free_port()
         self.infers = 0
+        self.metadata: list[dict[str, str | bytes]] = []  # of each ModelInfer received
         self._lock = threading.Lock()
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
         identity = (lambda raw: raw, lambda raw: raw)
@@ -53,6 +55,7 @@ class UnavailableReplica:
     def _infer(self, _request: bytes, context: grpc.ServicerContext) -> bytes:
         with self._lock:
             self.infers += 1
+            self.metadata.append(dict(context.invocation_metadata()))
         context.abort(grpc.StatusCode.UNAVAILABLE, "model 'identity' is not ready here")
         raise AssertionError("unreachable")
 
@@ -102,3 +105,23 @@ def test_a_call_refused_unavailable_before_responding_goes_to_the_other_upstream
     assert replica_b.infers >= 1
     retried = metric(gateway, "qosgate_failovers_total", model="identity", upstream="b", result="retried")
     assert retried == replica_b.infers
+
+
+@pytest.mark.parametrize("credentials", [bearer(ACME_KEY), {"x-api-key": ACME_KEY}])
+def test_the_callers_credentials_stay_at_the_gateway(
+    gateway: GatewayThread, replica_b: UnavailableReplica, credentials: dict[str, str]
+) -> None:
+    """Triton gets the caller's other headers, never its key (an upstream link may be plaintext)."""
+    received = len(replica_b.metadata)
+    with grpc.insecure_channel(gateway.url) as channel:
+        infer = channel.unary_unary(f"/{SERVICE}/ModelInfer")
+        metadata = (*credentials.items(), ("x-team", "blue"))
+        # Equal loads take turns: some of these go to b first.
+        for i in range(4):
+            infer(identity_request(f"c{i}").SerializeToString(), metadata=metadata, timeout=30)
+    seen = replica_b.metadata[received:]
+    assert seen, "no call reached b"
+    for headers in seen:
+        assert headers.get("x-team") == "blue", headers
+        assert "authorization" not in headers and "x-api-key" not in headers, headers
+        assert ACME_KEY not in repr(headers)

@@ -4,7 +4,8 @@ thin adapter onto the data plane (dataplane/plane.py).
 identify (key headers, or the client certificate of the TLS handshake) → read the model
 from the first message → the data plane's path (authorize, admit, dispatch slot, deadline)
 → pick the upstream (the model's routing policy over the live Tritons, upstream/pool.py)
-→ append Triton's priority and timeout, set the upstream span's `traceparent` → forward.
+→ append Triton's priority and timeout, set the upstream span's `traceparent`, drop the
+caller's credential headers → forward.
 The call's scope is closed, releasing its slot and permit and recording its metrics and
 span, when the relay reports the call's end. A call that its Triton fails UNAVAILABLE (or
 drops) before any response goes once more to another live one (`UpstreamPool.failover`).
@@ -36,7 +37,9 @@ from qosgate.services.kserve import PRIORITY_HEADER, dispatch_fragment, peek_inf
 from qosgate.upstream import Upstream, UpstreamPool
 
 RPC = "ModelInfer"
-# The headers the policy reads: credentials; priority class and the caller's trace context.
+# The headers the policy reads: credentials (never sent on to Triton: a tenant's key is the
+# gateway's business, and an upstream link may be plaintext); priority class and the
+# caller's trace context.
 _CREDENTIALS = frozenset(name.encode() for name in (AUTHORIZATION, API_KEY))
 _READ = frozenset(name.encode() for name in (PRIORITY_HEADER, TRACEPARENT, TRACESTATE))
 T = TypeVar("T")
@@ -137,6 +140,7 @@ class InferAdmissionPolicy:
 
         return Forward(
             set_headers=[(k.encode(), v.encode()) for k, v in scope.upstream_headers()],
+            drop_headers=_CREDENTIALS,
             append=fragment,
             on_finish=finished,
             upstream=self._connections[call.upstream.name],

@@ -74,6 +74,7 @@ class Forward:
     """Send the call upstream, changed as given."""
 
     set_headers: Sequence[Header] = ()  # replace headers of the same name, or add
+    drop_headers: frozenset[bytes] = frozenset()  # names of headers not sent upstream
     append: bytes = b""  # appended to the first message (protobuf merges it)
     # Called once when the call ends, right after the relay has written what ended it.
     on_finish: Callable[[CallEnd], None] | None = None

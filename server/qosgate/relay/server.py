@@ -272,7 +272,7 @@ class Call:
             self.refuse(decision)
             return
         self.on_finish = decision
-        headers = _merge(self.headers, decision.set_headers)
+        headers = _merge(self.headers, decision.set_headers, decision.drop_headers)
         if waited and self.deadline is not None:
             left = self.deadline - self.down.relay.loop.time()
             headers = _merge(headers, ((_GRPC_TIMEOUT, framing.format_timeout(left)),))
@@ -619,11 +619,14 @@ class Relay:
             await self._server.wait_closed()
 
 
-def _merge(headers: Sequence[http2.Header], changes: Sequence[http2.Header]) -> Sequence[http2.Header]:
-    """`headers` with each of `changes` replacing the fields of its name, or added at the end."""
-    if not changes:
+def _merge(
+    headers: Sequence[http2.Header], changes: Sequence[http2.Header], drop: frozenset[bytes] = frozenset()
+) -> Sequence[http2.Header]:
+    """`headers` without the fields named in `drop`, and with each of `changes` replacing
+    the fields of its name, or added at the end."""
+    if not changes and not drop:
         return headers
-    names = {name for name, _ in changes}
+    names = drop.union(name for name, _ in changes)
     return [h for h in headers if h[0] not in names] + list(changes)
 
 
