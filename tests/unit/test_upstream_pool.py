@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import types
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +24,7 @@ from qosgate.config import RoutingConfig, UpstreamConfig
 from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
 from qosgate.relay.peer import Flusher
+from qosgate.relay.upstream import SPILL_STREAMS, SPILL_WINDOW
 from qosgate.relay.upstream import UpstreamPool as Connections
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
@@ -368,3 +370,29 @@ async def test_failover_goes_to_another_upstream_once_for_unavailable_only() -> 
         assert counted == {"retried": 1, "no_other_upstream": 1}
     finally:
         await pool.close()
+
+
+def _connection(streams: int = 0, window: int = 4 << 20, usable: bool = True) -> types.SimpleNamespace:
+    """What `pick` reads of a relay connection: usable, its open streams, its send window."""
+    return types.SimpleNamespace(usable=usable, streams=dict.fromkeys(range(streams)), h2=types.SimpleNamespace(send_window=window))
+
+
+async def test_calls_fill_one_connection_before_the_next() -> None:
+    """Calls that leave together share one connection's reads and writes; the next one
+    takes calls past SPILL_STREAMS, or when large messages use up the peer's window."""
+    connections = Connections(Flusher(), "127.0.0.1:1", size=2)
+    first, second = _connection(), _connection()
+    connections._connections = [first, second]
+    assert connections.pick() is first
+    first.streams = dict.fromkeys(range(SPILL_STREAMS - 1))
+    assert connections.pick() is first
+    first.streams = dict.fromkeys(range(SPILL_STREAMS))
+    assert connections.pick() is second
+    first.streams, first.h2.send_window = {}, SPILL_WINDOW
+    assert connections.pick() is second
+    # Both past the mark: the one with fewer streams.
+    first.h2.send_window = 0
+    second.streams = dict.fromkeys(range(SPILL_STREAMS + 5))
+    assert connections.pick() is first
+    first.usable = False
+    assert connections.pick() is second

@@ -143,6 +143,11 @@ class Http2Connection:
         self._conn.acknowledge_received_data(amount, stream_id)
 
     @property
+    def send_window(self) -> int:
+        """DATA bytes the peer's connection window takes now, over all streams."""
+        return self._conn.remote_window_size
+
+    @property
     def wants_write(self) -> bool:
         return self._conn.want_write
 

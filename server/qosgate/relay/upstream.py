@@ -113,6 +113,16 @@ class UpstreamConnection(Peer):
             self._on_lost()
 
 
+# Calls fill one connection before the next takes any: calls that leave together share
+# its reads and writes (one syscall, one pass of the session for all of them), where
+# spreading them evenly halves every batch. The next connection takes calls once the one
+# before holds SPILL_STREAMS streams or its peer's connection window is down to
+# SPILL_WINDOW bytes (large tensors in flight: Triton opens 4 MiB per connection); the
+# connections stand by, open, for such loads and for one that is lost or told to go away.
+SPILL_STREAMS = 64
+SPILL_WINDOW = 1 << 20
+
+
 class UpstreamPool:
     """`size` connections to one address (`host:port` or `unix:/path`), kept open; over
     TLS when given a `tls` context (its ALPN must offer h2)."""
@@ -160,11 +170,16 @@ class UpstreamPool:
                 conn.transport.close()
 
     def pick(self) -> UpstreamConnection | None:
-        """The usable connection with the fewest open streams, or None (upstream down)."""
+        """The first usable connection with room (see SPILL_STREAMS), else the usable one
+        with the fewest open streams, or None (upstream down)."""
         best: UpstreamConnection | None = None
         for conn in self._connections:
-            if conn.usable and (best is None or len(conn.streams) < len(best.streams)):
-                best = conn
+            if conn.usable:
+                if len(conn.streams) < SPILL_STREAMS and conn.h2.send_window > SPILL_WINDOW:
+                    best = conn
+                    break
+                if best is None or len(conn.streams) < len(best.streams):
+                    best = conn
         if best is None or any(not c.usable for c in self._connections):
             self._wake.set()
         return best
