@@ -173,14 +173,16 @@ class UpstreamPool:
         """The first usable connection with room (see SPILL_STREAMS), else the usable one
         with the fewest open streams, or None (upstream down)."""
         best: UpstreamConnection | None = None
+        room = False
         for conn in self._connections:
-            if conn.usable:
-                if len(conn.streams) < SPILL_STREAMS and conn.h2.send_window > SPILL_WINDOW:
+            if not conn.usable:
+                self._wake.set()  # reopen it
+            elif not room:
+                streams = len(conn.streams)
+                room = streams < SPILL_STREAMS and conn.h2.send_window > SPILL_WINDOW
+                if room or best is None or streams < len(best.streams):
                     best = conn
-                    break
-                if best is None or len(conn.streams) < len(best.streams):
-                    best = conn
-        if best is None or any(not c.usable for c in self._connections):
+        if best is None:
             self._wake.set()
         return best
 
