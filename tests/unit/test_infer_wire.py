@@ -102,7 +102,12 @@ def test_id_and_empty_final_fragments(peek) -> None:
     assert peek(raw).id == "q1"
 
 
-def _stream_response(*, final: bool, outputs: bool = True, error: str = "") -> bytes:
+# A stream response is read by the protobuf runtime up to 4 KiB and walked above: each
+# case runs both ways, the padding (an output's bytes) making the response large.
+SIZES = pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
+
+
+def _stream_response(*, final: bool, outputs: bool = True, error: str = "", pad: int = 0) -> bytes:
     response = service_pb2.ModelStreamInferResponse(error_message=error)
     response.infer_response.id = "q5"
     response.infer_response.model_name = "smollm2"
@@ -110,22 +115,32 @@ def _stream_response(*, final: bool, outputs: bool = True, error: str = "") -> b
         response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
         response.infer_response.raw_output_contents.append(b"\x02\x00\x00\x00hi")
     response.infer_response.parameters["triton_final_response"].bool_param = final
+    response.infer_response.parameters["padding"].string_param = "x" * pad
     return response.SerializeToString()
 
 
-def test_peek_stream_response_final_flag_and_outputs() -> None:
-    head = infer_wire.peek_stream_response(_stream_response(final=False))
+@SIZES
+def test_peek_stream_response_final_flag_and_outputs(pad: int) -> None:
+    head = infer_wire.peek_stream_response(_stream_response(final=False, pad=pad))
     assert (head.id, head.is_final, head.has_outputs, head.is_error) == ("q5", False, True, False)
-    head = infer_wire.peek_stream_response(_stream_response(final=True, outputs=False))
+    head = infer_wire.peek_stream_response(_stream_response(final=True, outputs=False, pad=pad))
     assert (head.is_final, head.has_outputs) == (True, False)
 
 
-def test_an_error_response_is_final() -> None:
+@SIZES
+def test_an_error_response_is_final(pad: int) -> None:
     raw = service_pb2.ModelStreamInferResponse(
         error_message="boom", infer_response=service_pb2.ModelInferResponse(id="q9")
-    ).SerializeToString()
+    ).SerializeToString() + infer_wire.len_field(2, infer_wire.len_field(8, b"x" * pad))
     head = infer_wire.peek_stream_response(raw)
     assert (head.id, head.is_error, head.is_final) == ("q9", True, True)
+
+
+def test_a_response_the_runtime_refuses_is_walked() -> None:
+    """An id that is not UTF-8 makes the protobuf runtime refuse the message; the walk reads it."""
+    raw = _stream_response(final=True) + infer_wire.len_field(2, infer_wire.len_field(3, b"q\xff"))
+    head = infer_wire.peek_stream_response(raw)
+    assert (head.id, head.is_final) == ("q\ufffd", True)
 
 
 def test_stream_response_id_is_set_inside_the_one_infer_response() -> None:

@@ -376,12 +376,31 @@ class StreamResponseHead:
     has_outputs: bool = False
 
 
+# A stream response up to this size is read by the protobuf runtime (upb, in C), about
+# 4x faster than the walk below for a typical one; a larger one is walked, so that its
+# tensor bytes are not copied.
+_SMALL_STREAM_RESPONSE = 4096
+
+
 def peek_stream_response(buf: bytes) -> StreamResponseHead:
     """Which request a stream response belongs to and whether it is that request's last.
 
     Triton marks every stream response with `triton_final_response`; an error response
     (error_message set) is always the last one of its request.
     """
+    if len(buf) <= _SMALL_STREAM_RESPONSE:
+        try:
+            response = service_pb2.ModelStreamInferResponse.FromString(buf)
+        except DecodeError:
+            pass  # e.g. a string that is not UTF-8: the walk reads it leniently
+        else:
+            inner = response.infer_response
+            parameters = inner.parameters
+            is_error = bool(response.error_message)
+            is_final = is_error or (
+                FINAL_RESPONSE_PARAM in parameters and parameters[FINAL_RESPONSE_PARAM].bool_param
+            )
+            return StreamResponseHead(inner.id, is_error, is_final, bool(inner.outputs))
     head = StreamResponseHead()
     for number, wire_type, start, end in _fields(buf):
         if wire_type != _LEN:
