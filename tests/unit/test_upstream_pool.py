@@ -372,9 +372,10 @@ async def test_failover_goes_to_another_upstream_once_for_unavailable_only() -> 
         await pool.close()
 
 
-def _connection(streams: int = 0, window: int = 4 << 20, usable: bool = True) -> types.SimpleNamespace:
-    """What `pick` reads of a relay connection: usable, its open streams, its send window."""
-    return types.SimpleNamespace(usable=usable, streams=dict.fromkeys(range(streams)), h2=types.SimpleNamespace(send_window=window))
+def _connection() -> types.SimpleNamespace:
+    """What `pick` reads of a relay connection (usable, open streams, send window), as an
+    idle one to Triton has them."""
+    return types.SimpleNamespace(usable=True, streams={}, h2=types.SimpleNamespace(send_window=4 << 20))
 
 
 async def test_calls_fill_one_connection_before_the_next() -> None:
