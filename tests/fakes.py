@@ -83,10 +83,12 @@ def recording_tracing() -> tuple[Any, Any]:
     return Tracing(provider), exporter
 
 
-def make_dataplane(config: Any, clock: Any, *, usage: Any = None, wall: float = 1_767_229_200.0) -> Any:
+def make_dataplane(
+    config: Any, clock: Any, *, usage: Any = None, wall: float = 1_767_229_200.0, tracing: Any = None
+) -> Any:
     """A DataPlane over in-memory parts (quota store, usage ledger, metrics registry,
-    spans) for unit tests of the planes; `plane.metrics.registry` and `plane.spans` (the
-    in-memory exporter) show what it recorded."""
+    `tracing` or none) for unit tests of the planes; `plane.metrics.registry` shows what
+    it counted, and `recording_tracing()`'s exporter what it traced."""
     from qosgate.auth import TenantDirectory
     from qosgate.dataplane.plane import DataPlane
     from qosgate.metrics import GatewayMetrics
@@ -97,7 +99,6 @@ def make_dataplane(config: Any, clock: Any, *, usage: Any = None, wall: float = 
 
     if usage is None:
         usage = UsageMeter(UsageLedger(":memory:", wall_time=lambda: wall), wall_time=lambda: wall)
-    tracing, exporter = recording_tracing()
     plane = DataPlane(
         directory=TenantDirectory(config),
         admission=Admission(InMemoryQuotaStore(), clock),
@@ -105,8 +106,7 @@ def make_dataplane(config: Any, clock: Any, *, usage: Any = None, wall: float = 
         scheduler=Scheduler(config, clock),
         usage=usage,
         metrics=GatewayMetrics(known_models=config.models),
-        tracing=tracing,
+        tracing=tracing or recording_tracing()[0],
         clock=clock,
     )
-    plane.spans = exporter  # type: ignore[attr-defined]
     return plane

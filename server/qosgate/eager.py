@@ -24,9 +24,7 @@ def run_eagerly(coro: Coroutine[Any, Any, T]) -> T | asyncio.Task[T]:
         waiting_on = coro.send(None)
     except StopIteration as done:
         return done.value
-    except BaseException:
-        coro.close()
-        raise
+    # An exception out of `send` has ended the coroutine: nothing to close.
     return asyncio.get_running_loop().create_task(_carried_on(_Started(coro, waiting_on)))
 
 

@@ -286,10 +286,10 @@ class MetricsEndpoint:
 
     def __init__(self, server: Any, thread: threading.Thread) -> None:
         self._server = server
-        self._thread = thread
+        self._server_thread = thread
         self.port: int = server.server_address[1]
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server_thread.join(timeout=5)

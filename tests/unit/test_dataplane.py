@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from qosgate.config import TracingConfig, parse_config
 from qosgate.dataplane.plane import CallCost, DataPlane
 from qosgate.dataplane.tracing import Tracing
 from qosgate.errors import InvalidArgument, QuotaExceeded
-from tests.fakes import FakeClock, make_dataplane
+from tests.fakes import FakeClock, make_dataplane, recording_tracing
 
 CONFIG = parse_config(
     {
@@ -31,6 +32,11 @@ def _plane() -> DataPlane:
     return make_dataplane(CONFIG, FakeClock())  # type: ignore[no-any-return]
 
 
+def _traced_plane() -> tuple[DataPlane, InMemorySpanExporter]:
+    tracing, spans = recording_tracing()
+    return make_dataplane(CONFIG, FakeClock(), tracing=tracing), spans
+
+
 def _count(plane: DataPlane, name: str, **labels: str) -> float:
     return plane.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -48,13 +54,13 @@ async def _served(plane: DataPlane, tenant_key: str = "k", headers: dict[str, st
 
 
 async def test_a_served_call_is_counted_timed_and_traced_under_the_callers_trace() -> None:
-    plane = _plane()
+    plane, exporter = _traced_plane()
     sent = await _served(plane, headers={"traceparent": TRACEPARENT})
     labels = {"rpc": "Generate", "model": "m", "tenant": "acme", "class": "standard"}
     assert _count(plane, "qosgate_requests_total", **labels, code="OK") == 1
     assert _count(plane, "qosgate_upstream_latency_seconds_count", upstream="u1", model="m") == 1
     assert _count(plane, "qosgate_queue_wait_seconds_count", **{"class": "standard", "tenant": "acme"}) == 1
-    spans = {s.name: s for s in plane.spans.get_finished_spans()}  # type: ignore[attr-defined]
+    spans = {s.name: s for s in exporter.get_finished_spans()}
     call = spans["qosgate Generate"]
     assert format(call.context.trace_id, "032x") == TRACE_ID
     assert call.attributes["qosgate.class"] == "standard" and call.attributes["qosgate.code"] == "OK"
@@ -66,7 +72,7 @@ async def test_a_served_call_is_counted_timed_and_traced_under_the_callers_trace
 
 
 async def test_a_refusal_is_counted_by_the_error_table_and_holds_nothing() -> None:
-    plane = _plane()
+    plane, exporter = _traced_plane()
     await _served(plane, "k1")
     with pytest.raises(QuotaExceeded):
         await _served(plane, "k1")
@@ -74,7 +80,7 @@ async def test_a_refusal_is_counted_by_the_error_table_and_holds_nothing() -> No
     assert _count(plane, "qosgate_requests_total", **labels, code="RESOURCE_EXHAUSTED") == 1
     assert _count(plane, "qosgate_rejections_total", reason="quota", tenant="one", **{"class": "standard"}) == 1
     assert plane.scheduler.snapshot().in_flight.get("m", 0) == 0
-    refused = [s for s in plane.spans.get_finished_spans() if s.name == "qosgate Generate"][-1]  # type: ignore[attr-defined]
+    refused = [s for s in exporter.get_finished_spans() if s.name == "qosgate Generate"][-1]
     assert refused.attributes["qosgate.code"] == "RESOURCE_EXHAUSTED"
 
 

@@ -1,7 +1,7 @@
 """The relay's ModelInfer policy in process: which headers it reads, and where it routes.
 
 A Gateway built from a config (no network: its upstreams are marked live by hand, and the
-relay's connection pools are stand-in objects the decision names)."""
+relay's connection pools, which the decision names, are never started)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from tritonclient.grpc import service_pb2
 from qosgate.app import Gateway
 from qosgate.config import parse_config
 from qosgate.relay.infer_policy import InferAdmissionPolicy
+from qosgate.relay.peer import Flusher
 from qosgate.relay.policy import CallEnd, CallHead, Forward, Refuse
+from qosgate.relay.upstream import UpstreamPool as Connections
 
 KEY = "k" * 24
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
@@ -39,7 +41,7 @@ def _policy() -> InferAdmissionPolicy:
         config=config,
         plane=gateway.dataplane,
         pool=gateway.pool,
-        connections={name: name for name in UPSTREAMS},  # type: ignore[misc]
+        connections={u.name: Connections(Flusher(), u.url) for u in config.upstreams},
         heap=gateway.heap,
     )
 

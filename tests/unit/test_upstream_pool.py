@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import types
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,7 +23,8 @@ from qosgate.config import RoutingConfig, UpstreamConfig
 from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
 from qosgate.relay.peer import Flusher
-from qosgate.relay.upstream import SPILL_STREAMS, SPILL_WINDOW
+from qosgate.relay import http2
+from qosgate.relay.upstream import SPILL_STREAMS, SPILL_WINDOW, UpstreamConnection, has_room
 from qosgate.relay.upstream import UpstreamPool as Connections
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
@@ -372,28 +372,46 @@ async def test_failover_goes_to_another_upstream_once_for_unavailable_only() -> 
         await pool.close()
 
 
-def _connection() -> types.SimpleNamespace:
-    """What `pick` reads of a relay connection (usable, open streams, send window), as an
-    idle one to Triton has them."""
-    return types.SimpleNamespace(usable=True, streams={}, h2=types.SimpleNamespace(send_window=4 << 20))
+def test_a_connection_has_room_below_both_marks() -> None:
+    assert has_room(0, 4 << 20)  # idle, Triton's window
+    assert has_room(SPILL_STREAMS - 1, SPILL_WINDOW + 1)
+    assert not has_room(SPILL_STREAMS, 4 << 20)  # enough calls share it
+    assert not has_room(0, SPILL_WINDOW)  # large messages in flight hold its window
+
+
+async def _open(flusher: Flusher, ends: list[socket.socket]) -> UpstreamConnection:
+    """A relay connection over a socket pair to a server end of the test's own (the relay's
+    HTTP/2 code in the server role), once it has taken the server's settings and window."""
+    loop = asyncio.get_running_loop()
+    near, far = socket.socketpair()
+    far.setblocking(False)
+    ends += (near, far)
+    _, conn = await loop.create_connection(lambda: UpstreamConnection(flusher, "test"), sock=near)
+    server = http2.Http2Connection(server=True, max_concurrent_streams=1000)
+    server.feed(await loop.sock_recv(far, 1 << 16))  # preface, settings, window
+    await loop.sock_sendall(far, server.outgoing())
+    await until(lambda: conn.h2.send_window > SPILL_WINDOW)
+    return conn
 
 
 async def test_calls_fill_one_connection_before_the_next() -> None:
     """Calls that leave together share one connection's reads and writes; the next one
-    takes calls past SPILL_STREAMS, or when large messages use up the peer's window."""
-    connections = Connections(Flusher(), "127.0.0.1:1", size=2)
-    first, second = _connection(), _connection()
-    connections._connections = [first, second]
-    assert connections.pick() is first
-    first.streams = dict.fromkeys(range(SPILL_STREAMS - 1))
-    assert connections.pick() is first
-    first.streams = dict.fromkeys(range(SPILL_STREAMS))
-    assert connections.pick() is second
-    first.streams, first.h2.send_window = {}, SPILL_WINDOW
-    assert connections.pick() is second
-    # Both past the mark: the one with fewer streams.
-    first.h2.send_window = 0
-    second.streams = dict.fromkeys(range(SPILL_STREAMS + 5))
-    assert connections.pick() is first
-    first.usable = False
-    assert connections.pick() is second
+    takes calls once the first has no room (`has_room`)."""
+    flusher, ends = Flusher(), []
+    connections = Connections(flusher, "127.0.0.1:1", size=2)
+    try:
+        first, second = await _open(flusher, ends), await _open(flusher, ends)
+        connections._connections = [first, second]
+        assert connections.pick() is first
+        first.streams = dict.fromkeys(range(SPILL_STREAMS - 1))
+        assert connections.pick() is first
+        first.streams = dict.fromkeys(range(SPILL_STREAMS))
+        assert connections.pick() is second
+        # Both past the mark: the one with fewer streams.
+        second.streams = dict.fromkeys(range(SPILL_STREAMS + 5))
+        assert connections.pick() is first
+        first.went_away = True  # the server's GOAWAY: no new streams there
+        assert connections.pick() is second
+    finally:
+        for end in ends:
+            end.close()

@@ -10,6 +10,7 @@ the size bound without copying, and `FirstMessage` collects exactly one message.
 from __future__ import annotations
 
 import zlib
+from typing import ClassVar
 
 from qosgate.relay.policy import INVALID_ARGUMENT, RESOURCE_EXHAUSTED
 
@@ -19,13 +20,13 @@ PREFIX = 5
 class FramingError(Exception):
     """Bytes that do not make an acceptable gRPC message; `status` is the call's answer."""
 
-    status = INVALID_ARGUMENT
+    status: ClassVar[int] = INVALID_ARGUMENT
 
 
 class MessageTooLarge(FramingError):
     """A message's declared length is over the relay's bound."""
 
-    status = RESOURCE_EXHAUSTED
+    status: ClassVar[int] = RESOURCE_EXHAUSTED
 
     def __init__(self, length: int, limit: int) -> None:
         super().__init__(f"gRPC message of {length} bytes is over the limit of {limit}")

@@ -32,6 +32,16 @@ class Draining(Protocol):
         ...
 
 
+class Writable(Protocol):
+    """What the Flusher uses of a connection (a `Peer`)."""
+
+    dirty: bool  # marked, not yet written in this pass
+
+    def write_out(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 class Pipe:
     """One direction of a call: source stream → sink stream, with unacknowledged bytes."""
 
@@ -97,12 +107,12 @@ class Flusher:
     __slots__ = ("_dirty", "_later", "_scheduled", "_loop")
 
     def __init__(self) -> None:
-        self._dirty: list[Peer] = []
+        self._dirty: list[Writable] = []
         self._later: deque[tuple[Callable[[Any], None], Any]] = deque()
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
 
-    def mark(self, peer: Peer) -> None:
+    def mark(self, peer: Writable) -> None:
         self._dirty.append(peer)
         self._schedule()
 

@@ -16,6 +16,7 @@ import logging
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qosgate.auth import ConnectionCredentials
 from qosgate.relay import framing, http2
@@ -603,7 +604,8 @@ class Relay:
     async def listen(self, host: str, port: int) -> int:
         """Accept connections on host:port (0 picks one); returns the port."""
         self._server = await self.loop.create_server(lambda: DownstreamConnection(self), host, port, ssl=self._tls)
-        return int(self._server.sockets[0].getsockname()[1])
+        server: Any = self._server  # its `sockets` is a list under uvloop, not the stubs' tuple
+        return int(server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         if self._server is not None:

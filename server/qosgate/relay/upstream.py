@@ -123,6 +123,12 @@ SPILL_STREAMS = 64
 SPILL_WINDOW = 1 << 20
 
 
+def has_room(streams: int, send_window: int) -> bool:
+    """Whether a connection with `streams` open streams and `send_window` bytes of its
+    peer's connection window takes the next call before the connections after it."""
+    return streams < SPILL_STREAMS and send_window > SPILL_WINDOW
+
+
 class UpstreamPool:
     """`size` connections to one address (`host:port` or `unix:/path`), kept open; over
     TLS when given a `tls` context (its ALPN must offer h2)."""
@@ -179,7 +185,7 @@ class UpstreamPool:
                 self._wake.set()  # reopen it
             elif not room:
                 streams = len(conn.streams)
-                room = streams < SPILL_STREAMS and conn.h2.send_window > SPILL_WINDOW
+                room = has_room(streams, conn.h2.send_window)
                 if room or best is None or streams < len(best.streams):
                     best = conn
         if best is None:
