@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 GEN := server/qosgate/v1/.built
+NATIVE := server/qosgate/.native-built
+# The modules scripts/build_native.py compiles: qosgate.native.MODULES.
+NATIVE_SOURCES := $(shell sed -n 's|^    "\(.*\.py\)",$$|server/qosgate/\1|p' server/qosgate/native.py)
 MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
@@ -18,11 +21,11 @@ PERF_ANALYZER := .cache/tools/perf_analyzer
 TEST_SYSTEM_DEPS := redis-server postgresql
 BENCH_SYSTEM_DEPS := nginx-light
 
-.PHONY: setup venv protos models tools node-deps system-deps-test system-deps-bench lint-protos typecheck run test test-unit bench bench-quick clean
+.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench lint-protos typecheck run test test-unit bench bench-quick clean
 
 # What `make run` needs. Test and bench tools (perf_analyzer, Redis, nginx, npm packages)
 # are set up by `make test` / `make bench` only, so a failure there never stops a run.
-setup: venv protos models
+setup: venv protos native models
 
 venv: $(STAMP)
 
@@ -41,6 +44,16 @@ protos: $(GEN)
 
 $(GEN): $(STAMP) $(shell find protos -name '*.proto' 2>/dev/null) scripts/gen_protos.py
 	$(PY) scripts/gen_protos.py
+
+# The per-call modules compiled to C by mypyc (see server/qosgate/native.py); gcc builds
+# them, about a minute and a half. Importing qosgate refuses compiled modules older than
+# their source, so after editing one, `make native` (make run / make test do it too).
+native: $(NATIVE)
+
+$(NATIVE): $(STAMP) $(GEN) scripts/build_native.py server/qosgate/native.py pyproject.toml $(NATIVE_SOURCES)
+	@scripts/system_deps.sh gcc
+	@echo "==> compiling the per-call modules (mypyc)"
+	$(PY) scripts/build_native.py
 
 models: $(MODELS)
 
@@ -82,7 +95,7 @@ run: setup
 test: setup system-deps-test tools node-deps lint-protos typecheck
 	$(PY) -m pytest -q
 
-test-unit: venv protos system-deps-test
+test-unit: venv protos native system-deps-test
 	$(PY) -m pytest -q tests/unit
 
 BENCH_DEPS := $(VENV)/.bench-installed
@@ -100,4 +113,5 @@ bench-quick: setup system-deps-bench tools $(BENCH_DEPS)
 	$(PY) -m bench all --quick --update-readme
 
 clean:
-	rm -rf $(VENV) .cache server/qosgate/v1
+	rm -rf $(VENV) .cache server/qosgate/v1 $(NATIVE)
+	find server -name '*.so' -delete

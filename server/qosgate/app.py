@@ -30,7 +30,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from qosgate import paths
+from qosgate import native, paths
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
 from qosgate.config import ConfigError, GatewayConfig, ResourceLimits, UpstreamConfig, load_config
@@ -292,6 +292,9 @@ class Gateway:
             self.config.metrics_listen if self._serve_metrics else "(off)",
             self.config.summary(),
         )
+        if not native.compiled():
+            log.warning("the per-call modules run interpreted (about a third more CPU per call): "
+                        "`make native` compiles them")
 
     async def _open_relay(self) -> dict[str, relay_upstream.UpstreamPool]:
         """The relay, and its connections to each Triton (by upstream name), open: the
