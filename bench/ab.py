@@ -23,7 +23,8 @@ from bench.stack import GroupProcess, Stack, checked
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
-    parser.add_argument("--a", default="", help="directory to import side A's qosgate from (default: this checkout)")
+    parser.add_argument("--a", default="",
+                        help="directory to import side A's qosgate from (default: this checkout)")
     parser.add_argument("--b", default="", help="the same for side B")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--levels", default="16", help="concurrency levels, comma-separated")
@@ -64,8 +65,8 @@ def main() -> None:
                                             notes=notes, streaming=args.streaming)
                     results.setdefault((name, level), []).append(sample)
                     print(f"round {turn} {name} c={level}: {sample.point.throughput:.0f} infer/s "
-                          f"p50 {sample.point.p50_us:.0f} us cpu/req {sample.cpu_us_per_request or 0:.1f} us",
-                          flush=True)
+                          f"p50 {sample.point.p50_us:.0f} us "
+                          f"cpu/req {sample.cpu_us_per_request or 0:.1f} us", flush=True)
     for note in notes:
         print(note)
     for level in levels:

@@ -286,6 +286,7 @@ class MetricsEndpoint:
 
     def __init__(self, server: Any, thread: threading.Thread) -> None:
         self._server = server
+        # Not `_thread`: mypyc 2.4 names its C field `__thread`, a gcc keyword.
         self._server_thread = thread
         self.port: int = server.server_address[1]
 

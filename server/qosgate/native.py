@@ -54,8 +54,9 @@ GROUP = "qosgate._native"
 
 def built(source: pathlib.Path) -> list[pathlib.Path]:
     """The extension modules compiled from `source` (none if not built)."""
-    return [source.with_name(source.stem + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES
-            if source.with_name(source.stem + suffix).exists()]
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    candidates = (source.with_name(source.stem + suffix) for suffix in suffixes)
+    return [path for path in candidates if path.exists()]
 
 
 def compiled(package: pathlib.Path = PACKAGE) -> bool:

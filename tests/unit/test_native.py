@@ -41,7 +41,9 @@ def test_a_module_edited_after_its_build_is_stale(tmp_path: pathlib.Path) -> Non
     assert native.stale(package) == [edited]
 
 
-def test_source_without_extension_modules_runs_interpreted_and_is_not_stale(tmp_path: pathlib.Path) -> None:
+def test_source_without_extension_modules_runs_interpreted_and_is_not_stale(
+    tmp_path: pathlib.Path,
+) -> None:
     package = _package(tmp_path, built=False)
     assert not native.compiled(package)
     assert native.stale(package) == []
