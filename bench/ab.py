@@ -17,7 +17,7 @@ import os
 import statistics
 
 from bench import perf
-from bench.scenarios.overhead import MODEL, TENANTS, Sample, measure_target
+from bench.scenarios.overhead import MODEL, MODELS, TENANTS, Sample, measure_target
 from bench.stack import GroupProcess, Stack, checked
 
 
@@ -44,12 +44,11 @@ def main() -> None:
             if path:
                 os.environ["PYTHONPATH"] = path
             try:
-                config = {"tenants": TENANTS, "models": {MODEL: {"dispatch_window": 64}}}
                 if second:
-                    url = stack.start_second_gateway(**config)
+                    url = stack.start_second_gateway(tenants=TENANTS, models=MODELS)
                     assert stack.second_gateway is not None
                     return url, stack.second_gateway
-                url = stack.start_gateway(**config)
+                url = stack.start_gateway(tenants=TENANTS, models=MODELS)
                 assert stack.gateway is not None
                 return url, stack.gateway
             finally:

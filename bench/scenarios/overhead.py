@@ -41,6 +41,8 @@ BUSY = 16
 # costs this long before the point runs again.
 PERF_TIMEOUT_S = 120.0
 TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
+# The gateway's per-model settings (bench.ab measures the same gateway).
+MODELS = {MODEL: {"dispatch_window": 64}}
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,7 +127,7 @@ def run(ctx: RunContext) -> ScenarioResult:
             ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
         if gateway_available():
             targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
-            url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
+            url = stack.start_gateway(tenants=TENANTS, models=MODELS)
             targets.append(("qosgate", url, stack.gateway))
         else:
             notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
