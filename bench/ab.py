@@ -5,8 +5,9 @@
 Each side is a `qosgate serve` process importing the `qosgate` package from DIR (a
 worktree's `server/` directory, say; default: this checkout), both with the overhead
 scenario's tenants and config in front of the same Triton (identity model). Each round
-measures every level on both, in turns whose order flips every round, so drift on a shared
-machine hits both alike; it prints each point, then the medians.
+starts both afresh and measures every level on both, in an order that flips every round,
+so drift on a shared machine, and a process that happens to run cheaper than its twin,
+hit both alike; it prints each point, then the medians.
 """
 
 from __future__ import annotations
@@ -56,10 +57,16 @@ def main() -> None:
                 if saved is not None:
                     os.environ["PYTHONPATH"] = saved
 
-        sides = [("a", *start(args.a, False)), ("b", *start(args.b, True))]
         for turn in range(args.rounds):
+            # Fresh processes each round, started in turn order: one process can be
+            # steadily cheaper than its twin for as long as it lives (an A/A run with the
+            # same two processes throughout measured the second one 14% cheaper).
+            order = [("a", args.a), ("b", args.b)]
+            if turn % 2:
+                order.reverse()
+            sides = [(name, *start(path, name == "b")) for name, path in order]
             for level in levels:
-                for name, url, process in sides if turn % 2 == 0 else sides[::-1]:
+                for name, url, process in sides:
                     sample = measure_target(stack, "qosgate", url, process, level, settings,
                                             notes=notes, streaming=args.streaming)
                     results.setdefault((name, level), []).append(sample)
