@@ -293,7 +293,7 @@ class Gateway:
             self.config.summary(),
         )
         if not native.compiled():
-            log.warning("the per-call modules run interpreted (about a third more CPU per call): "
+            log.warning("the per-call modules run interpreted (about a quarter more CPU per call): "
                         "`make native` compiles them")
 
     async def _open_relay(self) -> dict[str, relay_upstream.UpstreamPool]:

@@ -44,7 +44,7 @@ def _count(plane: DataPlane, name: str, **labels: str) -> float:
 async def _served(plane: DataPlane, tenant_key: str = "k", headers: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """One call that reaches the upstream; returns the headers it sent there."""
     tenant = plane.directory.identify([("x-api-key", tenant_key)])
-    async with plane.call("Generate", tenant, "m", headers) as scope:
+    async with plane.open("Generate", tenant, "m", headers) as scope:
         await scope.admit(CallCost(), priority_class=None, deadline=None)
         scope.upstream_started("u1")
         sent = list(scope.upstream_headers())
@@ -88,7 +88,7 @@ async def test_an_error_before_admission_is_counted_too() -> None:
     plane = _plane()
     tenant = plane.directory.identify([("x-api-key", "k")])
     with pytest.raises(InvalidArgument):
-        async with plane.call("Embed", tenant, "m"):
+        async with plane.open("Embed", tenant, "m"):
             raise InvalidArgument("inputs must not be empty")
     labels = {"rpc": "Embed", "model": "m", "tenant": "acme", "class": "", "code": "INVALID_ARGUMENT"}
     assert _count(plane, "qosgate_requests_total", **labels) == 1
@@ -100,7 +100,7 @@ async def test_a_cancelled_call_frees_its_slot_for_the_next() -> None:
     holding = asyncio.Event()
 
     async def hold() -> None:
-        async with plane.call("GenerateStream", tenant, "m") as scope:
+        async with plane.open("GenerateStream", tenant, "m") as scope:
             await scope.admit(CallCost(), priority_class=None, deadline=None)
             holding.set()
             await asyncio.Event().wait()

@@ -72,7 +72,7 @@ class EmbeddingPlane:
         """Embed `inputs` for `tenant`; `rpc` names the API and method in metrics and
         traces, `deadline` is on the plane's clock, `headers` may carry a `traceparent`."""
         arrived = self._clock.now()
-        async with self.dataplane.call(rpc, tenant, model, headers) as scope:
+        async with self.dataplane.open(rpc, tenant, model, headers) as scope:
             if not model:
                 raise InvalidArgument("model is required")
             if not inputs:

@@ -132,7 +132,7 @@ class GenerationPlane:
         releases the request's slot and quotas when the caller stops early.
         """
         arrived = self._clock.now()
-        async with self.dataplane.call(rpc, tenant, call.model, headers) as scope:
+        async with self.dataplane.open(rpc, tenant, call.model, headers) as scope:
             policy = self._config.model_policy(call.model)
             request = self._request(call, policy)
             header = policy.routing.session_header

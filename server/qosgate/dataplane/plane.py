@@ -9,6 +9,7 @@
     scope.settle(cost) / scope.account(...)              fair-share correction, usage
     await scope.close(error)                             release slot, usage, budget, permit;
                                                          metrics and span by the error table
+                                                         (`async with` the scope closes it)
 
 Each attempt at an upstream (a failover makes two) is one `upstream_started` ..
 `upstream_finished`; the engine calls them (the scope is its upstream.engine
@@ -16,9 +17,9 @@ Each attempt at an upstream (a failover makes two) is one `upstream_started` ..
 
 `close` runs once however the call ended (returned, refused, failed upstream, cancelled),
 and is where every API's request, rejection and queue metrics are recorded, so they cannot
-drift apart between front ends. In-process callers use `plane.call(...)` (an async context
-manager that closes with the exception that left it); a front end whose call ends in a
-callback (the HTTP/2 relay's `on_finish`) calls `admit` and `close_with_code` itself.
+drift apart between front ends. In-process callers use the scope as an async context
+manager, which closes it with the exception that left the block; a front end whose call
+ends in a callback (the HTTP/2 relay's `on_finish`) calls `close_with_code` itself.
 
 No transport here: a refusal is raised as a GatewayError, and the front end's error
 wrapper turns it into its status (gRPC) or HTTP response.
@@ -27,9 +28,8 @@ wrapper turns it into its status (gRPC) or HTTP response.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -100,21 +100,9 @@ class DataPlane:
         self, rpc: str, tenant: Tenant, model: str, headers: Mapping[str, str] | None = None
     ) -> CallScope:
         """A call of `rpc` (the API and method, the `rpc` metric label) by `tenant` for
-        `model`; `headers` may carry the caller's W3C `traceparent`. Close it exactly once."""
+        `model`; `headers` may carry the caller's W3C `traceparent`. Close it (`async with`
+        does, with whatever ends the block: nothing, an error, a cancel)."""
         return CallScope(self, CallLabels(rpc, tenant.name, model), tenant, headers)
-
-    @contextlib.asynccontextmanager
-    async def call(
-        self, rpc: str, tenant: Tenant, model: str, headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[CallScope]:
-        """`open`, then `close` with whatever ends the block (nothing, an error, a cancel)."""
-        scope = self.open(rpc, tenant, model, headers)
-        try:
-            yield scope
-        except BaseException as e:
-            await scope.close(e)
-            raise
-        await scope.close(None)
 
     def deadline(self, remaining_s: float | None) -> float | None:
         """A caller's remaining seconds (gRPC `time_remaining`) as a deadline on our clock."""
@@ -169,6 +157,12 @@ class CallScope:
         self._actual_tokens: int | None = None
         self._closed = False
         self._responded = False
+
+    async def __aenter__(self) -> CallScope:
+        return self
+
+    async def __aexit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        await self.close(error)
 
     # -- admission and scheduling ---------------------------------------------------------
 
@@ -296,19 +290,24 @@ class CallScope:
         labels.code = code
         self.upstream_finished()  # a call cancelled mid-upstream
         self.free_slot()
-        try:
-            usage = self._usage
-            if usage is not None:
-                plane.metrics.tokens(labels.model, labels.tenant, usage.prompt_tokens, usage.completion_tokens)
+        # A meter that cannot write must not leak the tenant's slot and tokens. (No await
+        # in a `finally` here: mypyc-compiled, one re-raised an exception being handled.)
+        failed: BaseException | None = None
+        usage = self._usage
+        if usage is not None:
+            plane.metrics.tokens(labels.model, labels.tenant, usage.prompt_tokens, usage.completion_tokens)
+            try:
                 await plane.usage.record(usage)
-        finally:  # a meter that cannot write must not leak the tenant's slot and tokens
-            if self._budget_reservation is not None:
-                plane.budget.settle(self._budget_reservation)
-            if self._permit is not None:
-                await self._permit.release(actual_tokens=self._actual_tokens)
-            if isinstance(error, GatewayError):
-                plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
-            plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, code)
-            if self._traced:
-                plane.tracing.end_call(self.span, code, error)
-
+            except BaseException as e:
+                failed = e
+        if self._budget_reservation is not None:
+            plane.budget.settle(self._budget_reservation)
+        if self._permit is not None:
+            await self._permit.release(actual_tokens=self._actual_tokens)
+        if isinstance(error, GatewayError):
+            plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
+        plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, code)
+        if self._traced:
+            plane.tracing.end_call(self.span, code, error)
+        if failed is not None:
+            raise failed

@@ -200,10 +200,16 @@ class _Session:
         except errors.GatewayError as e:  # counted as a refused call of no model
             await h.plane.open(STREAM_RPC, self._tenant, "", self._headers).close(e)
             return status_headers(refusal(e))
+        # Compiled by mypyc, so no await in a `finally` (see CallScope.close_with_code).
+        failed: BaseException | None = None
         try:
-            return await self._relay(upstream)
-        finally:
-            await opened.permit.release()
+            ended = await self._relay(upstream)
+        except BaseException as e:
+            failed = e
+        await opened.permit.release()
+        if failed is not None:
+            raise failed
+        return ended
 
     def _upstream_headers(self) -> list[http2.Header]:
         stream = self._stream
@@ -233,23 +239,32 @@ class _Session:
             call = ClientStream(conn, self._upstream_headers(), self._limits.max_response_bytes)
             pump = asyncio.create_task(self._pump(call))
             reader = asyncio.create_task(self._read(call))
+            failed: BaseException | None = None
             try:
                 while (item := await self._outbox.get()) is not None:
                     await self._stream.write(item)
-                if self._fatal is not None:
-                    return self._fatal
-                if call.ended and call.status != 0:
-                    if call.status == UNAVAILABLE:
-                        h.pool.recheck(upstream)  # it may have gone away: check it now
-                    return call.trailers
-                return OK_STATUS
-            finally:
-                # The caller left (or we are done): stop reading it, drop its queued
-                # requests, and cancel the upstream stream so Triton stops generating.
-                for task in (pump, reader, *self._tasks):
-                    task.cancel()
-                call.cancel()
-                await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
+                ended = self._ending(call, upstream)
+            except BaseException as e:
+                failed = e
+            # The caller left (or we are done): stop reading it, drop its queued
+            # requests, and cancel the upstream stream so Triton stops generating.
+            for task in (pump, reader, *self._tasks):
+                task.cancel()
+            call.cancel()
+            await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
+            if failed is not None:
+                raise failed
+            return ended
+
+    def _ending(self, call: ClientStream, upstream: Upstream) -> Sequence[http2.Header]:
+        """The status the stream ends with, once the caller has its last response."""
+        if self._fatal is not None:
+            return self._fatal
+        if call.ended and call.status != 0:
+            if call.status == UNAVAILABLE:
+                self._h.pool.recheck(upstream)  # it may have gone away: check it now
+            return call.trailers
+        return OK_STATUS
 
     async def _pump(self, call: ClientStream) -> None:
         pending = asyncio.Semaphore(self._limits.stream_max_pending)
@@ -263,7 +278,7 @@ class _Session:
                     break
                 self._h.heap.message(len(raw))
                 task = asyncio.create_task(self._serve(call, raw))
-                del raw  # held by the task only, until it is sent upstream
+                raw = None  # held by the task only, until it is sent upstream
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(lambda _: pending.release())
@@ -286,13 +301,13 @@ class _Session:
         except errors.InvalidArgument as e:  # a call of no model, refused like any other
             head, malformed = infer_wire.InferRequestHead(), e
         try:
-            async with h.plane.call(STREAM_RPC, self._tenant, head.model_name, self._headers) as scope:
+            async with h.plane.open(STREAM_RPC, self._tenant, head.model_name, self._headers) as scope:
                 if malformed is not None:
                     raise malformed
                 # Nothing of a stream whose caller is not reading is admitted.
                 await self._outbox.flowing.wait()
                 dispatching = self._dispatch(scope, call, head, raw)
-                del raw  # held by `_dispatch` only, which lets go of it once it is sent
+                raw = b""  # held by `_dispatch` only, which lets go of it once it is sent
                 await dispatching
         except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
             if self._close_on_error:
@@ -329,7 +344,7 @@ class _Session:
                 # The upstream stream ended under us: the reader reports it to the caller.
                 await scope.close_with_code(code_name(e.refusal.status), e)
                 return
-            del raw  # sent: a request waiting at Triton does not keep its bytes here
+            raw = b""  # sent: a request waiting at Triton does not keep its bytes here
             await entry.done.wait()
         finally:
             self._in_flight.pop(gateway_id, None)
