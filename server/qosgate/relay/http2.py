@@ -12,8 +12,11 @@ relay's tests check through real peers:
   CONNECTION window until it is acknowledged: `acknowledge` on the closed stream's id
   still works and returns it (checked against ngh2 0.3.0), so closing calls release it.
 - `queued_body_size` of a closed stream is 0 and `reset_stream` of one is a no-op, but
-  `send_data`/`end_stream`/`send_trailers` raise StreamProtocolError ("stream has no open
-  body") once the peer reset it: the relay checks its own view of the stream first.
+  `send_response` raises StreamUnavailableError and `send_data`/`end_stream`/`send_trailers`
+  StreamProtocolError ("stream has no open body") once the peer reset it. The session knows
+  that as soon as it reads the RST_STREAM, the relay only when it handles the event, which
+  may wait for a later pass (a burst of new calls is started a few per pass): so sending
+  on a stream the peer closed sends nothing here, and the events that follow end its call.
 - A server connection whose peer resets streams faster than `stream_reset_rate_limit`
   gets GOAWAY from nghttp2 itself, not an error here (see RESET_BURST).
 - The connection window is a separate setting (`set_local_window_size`, stream 0) from
@@ -59,6 +62,8 @@ __all__ = [
 
 Header = tuple[bytes, bytes]
 ProtocolError = ngh2.NGH2Error
+# What a send raises on a stream the session has closed (StreamUnavailableError is one).
+StreamProtocolError = ngh2.StreamProtocolError
 
 # Per-stream receive window: the most the relay holds for one stream in one direction
 # before the sender must wait for it to be passed on.
@@ -118,17 +123,31 @@ class Http2Connection:
     def send_request(self, headers: Iterable[Header], *, end_stream: bool = False) -> int:
         return self._conn.send_request(headers, end_stream=end_stream)
 
+    # The sends below do nothing on a stream the peer has closed (see the module docstring).
+
     def send_response(self, stream_id: int, headers: Iterable[Header], *, end_stream: bool = False) -> None:
-        self._conn.send_response(stream_id, headers, end_stream=end_stream)
+        try:
+            self._conn.send_response(stream_id, headers, end_stream=end_stream)
+        except StreamProtocolError:
+            pass
 
     def send_trailers(self, stream_id: int, headers: Iterable[Header]) -> None:
-        self._conn.send_trailers(stream_id, headers)
+        try:
+            self._conn.send_trailers(stream_id, headers)
+        except StreamProtocolError:
+            pass
 
     def send_data(self, stream_id: int, data: bytes | memoryview, *, end_stream: bool = False) -> None:
-        self._conn.send_data(stream_id, data, end_stream=end_stream)
+        try:
+            self._conn.send_data(stream_id, data, end_stream=end_stream)
+        except StreamProtocolError:
+            pass
 
     def end_stream(self, stream_id: int) -> None:
-        self._conn.end_stream(stream_id)
+        try:
+            self._conn.end_stream(stream_id)
+        except StreamProtocolError:
+            pass
 
     def reset(self, stream_id: int, error_code: int) -> None:
         """RST_STREAM; a no-op for a stream that is already closed."""
