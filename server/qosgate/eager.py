@@ -20,29 +20,47 @@ T = TypeVar("T")
 def run_eagerly(coro: Coroutine[Any, Any, T]) -> T | asyncio.Task[T]:
     """`coro`'s result if it finishes without waiting; else a task that carries it on from
     where it first waited (cancelling the task cancels that wait, as for any task)."""
-    try:
-        waiting_on = coro.send(None)
-    except StopIteration as done:
-        return done.value
-    # An exception out of `send` has ended the coroutine: nothing to close.
-    return asyncio.get_running_loop().create_task(_carried_on(_Started(coro, waiting_on)))
+    # `coro` runs inside `_into`, which awaits it and keeps its result: a finished step
+    # then ends without an exception to catch. Catching the StopIteration of `coro.send`
+    # here instead costs a traceback entry, which compiled code (mypyc) builds from scratch,
+    # on every call that did not wait.
+    result: _Result[T] = _Result()
+    step = _into(coro, result).__await__()
+    waiting_on = next(step, _FINISHED)  # an exception out of it has ended the coroutine
+    if waiting_on is _FINISHED:
+        return result.value
+    return asyncio.get_running_loop().create_task(_carried_on(_Started(step, waiting_on), result))
 
 
-async def _carried_on(started: _Started[T]) -> T:
-    return await started
+class _Result(Generic[T]):
+    __slots__ = ("value",)
+
+    value: T
 
 
-class _Started(Generic[T]):
-    """A coroutine already past its first step, awaitable from the running task: what
-    it yields goes to the task, what the task sends or throws goes back into it."""
+async def _into(coro: Coroutine[Any, Any, T], result: _Result[T]) -> None:
+    result.value = await coro
+
+
+_FINISHED: Any = object()
+
+
+async def _carried_on(started: _Started, result: _Result[T]) -> T:
+    await started
+    return result.value
+
+
+class _Started:
+    """A coroutine's steps already past the first one, awaitable from the running task:
+    what they yield goes to the task, what the task sends or throws goes back into them."""
 
     __slots__ = ("_coro", "_waiting_on")
 
-    def __init__(self, coro: Coroutine[Any, Any, T], waiting_on: Any) -> None:
+    def __init__(self, coro: Generator[Any, Any, None], waiting_on: Any) -> None:
         self._coro = coro
         self._waiting_on = waiting_on
 
-    def __await__(self) -> Generator[Any, Any, T]:
+    def __await__(self) -> Generator[Any, Any, None]:
         coro, waiting_on = self._coro, self._waiting_on
         while True:
             try:
@@ -53,10 +71,10 @@ class _Started(Generic[T]):
             except BaseException as error:  # the task's cancellation, among others
                 try:
                     waiting_on = coro.throw(error)
-                except StopIteration as done:
-                    return done.value
+                except StopIteration:
+                    return
                 continue
             try:
                 waiting_on = coro.send(sent)
-            except StopIteration as done:
-                return done.value
+            except StopIteration:
+                return
