@@ -50,26 +50,39 @@ OK = "OK"
 CANCELLED = "CANCELLED"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False)
 class CallCost:
     """What a call costs: `fair_share` in the scheduler's unit (weighted tokens for an
     LLM, the model's cost_unit otherwise); `tokens` the LLM tokens reserved against the
     tenant's tokens_per_minute, daily budget and in-flight tokens (0 for other models)."""
 
-    fair_share: float = 1.0
-    tokens: int = 0
+    fair_share: float
+    tokens: int
+
+    # Written out (init=False) here and in CallLabels, built on every call: the `__init__`
+    # that `dataclasses` generates is interpreted even in a compiled module.
+    def __init__(self, fair_share: float = 1.0, tokens: int = 0) -> None:
+        self.fair_share = fair_share
+        self.tokens = tokens
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class CallLabels:
     """The one label carrier: who made a call, of what, and how it ended, filled in as the
     plane learns it, so metrics and the span are labelled the same however the call ends."""
 
     rpc: str
-    tenant: str = ""
-    model: str = ""
-    klass: str = ""
-    code: str = OK
+    tenant: str
+    model: str
+    klass: str
+    code: str
+
+    def __init__(self, rpc: str, tenant: str = "", model: str = "", klass: str = "", code: str = OK) -> None:
+        self.rpc = rpc
+        self.tenant = tenant
+        self.model = model
+        self.klass = klass
+        self.code = code
 
 
 class DataPlane:

@@ -8,12 +8,18 @@ from dataclasses import dataclass, field
 from qosgate.errors import QuotaExceeded, QuotaViolation
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class Permit:
     """What an admitted request holds until it finishes: a concurrency slot, reserved tokens."""
 
     reserved_tokens: int
     _on_release: Callable[[int | None], Awaitable[None]] | None = field(repr=False)
+
+    # Written out (init=False) here and in Admitted, built on every admitted call: the
+    # `__init__` that `dataclasses` generates is interpreted even in a compiled module.
+    def __init__(self, reserved_tokens: int, on_release: Callable[[int | None], Awaitable[None]] | None) -> None:
+        self.reserved_tokens = reserved_tokens
+        self._on_release = on_release
 
     async def release(self, actual_tokens: int | None = None) -> None:
         """Free the slot; `actual_tokens` settles the reserved estimate. Idempotent."""
@@ -23,11 +29,14 @@ class Permit:
             await on_release(actual_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False)
 class Admitted:
     """The request may proceed; release `permit` when it is done."""
 
     permit: Permit
+
+    def __init__(self, permit: Permit) -> None:
+        self.permit = permit
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ INTERNAL = 13
 UNAVAILABLE = 14
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class CallHead:
     """A call as the policy sees it before anything goes upstream."""
 
@@ -43,7 +43,23 @@ class CallHead:
     first_message: bytes | memoryview  # uncompressed; empty when the caller sent no message
     timeout: float | None  # seconds left from grpc-timeout when asked; None without one
     # The caller's connection: its verified TLS certificate, the tenants its keys identified.
-    caller: ConnectionCredentials = field(default_factory=ConnectionCredentials)
+    caller: ConnectionCredentials
+
+    # Written out (init=False) for this class and the others built on every call: the
+    # `__init__` that `dataclasses` generates is interpreted even in a compiled module.
+    def __init__(
+        self,
+        path: bytes,
+        headers: Sequence[Header],
+        first_message: bytes | memoryview,
+        timeout: float | None,
+        caller: ConnectionCredentials | None = None,
+    ) -> None:
+        self.path = path
+        self.headers = headers
+        self.first_message = first_message
+        self.timeout = timeout
+        self.caller = ConnectionCredentials() if caller is None else caller
 
     def header(self, name: bytes) -> bytes | None:
         """The last value of a header (lower-case name), as gRPC metadata merges them."""
@@ -59,7 +75,7 @@ class CallHead:
         return self.path.rsplit(b"/", 1)[-1].decode("ascii", "replace")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class CallEnd:
     """How a forwarded call ended, for release and accounting."""
 
@@ -68,21 +84,43 @@ class CallEnd:
     requests: int  # messages the caller sent
     responses: int  # messages the upstream answered
 
+    def __init__(self, status: int | None, reset_code: int | None, requests: int, responses: int) -> None:
+        self.status = status
+        self.reset_code = reset_code
+        self.requests = requests
+        self.responses = responses
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Forward:
     """Send the call upstream, changed as given."""
 
-    set_headers: Sequence[Header] = ()  # replace headers of the same name, or add
-    drop_headers: frozenset[bytes] = frozenset()  # names of headers not sent upstream
-    append: bytes = b""  # appended to the first message (protobuf merges it)
+    set_headers: Sequence[Header]  # replace headers of the same name, or add
+    drop_headers: frozenset[bytes]  # names of headers not sent upstream
+    append: bytes  # appended to the first message (protobuf merges it)
     # Called once when the call ends, right after the relay has written what ended it.
-    on_finish: Callable[[CallEnd], None] | None = None
-    upstream: UpstreamPool | None = None  # where to; None: the route's pool
+    on_finish: Callable[[CallEnd], None] | None
+    upstream: UpstreamPool | None  # where to; None: the route's pool
     # Asked when the upstream fails the call UNAVAILABLE (or drops it) before any response,
     # while the relay still holds the whole request: another pool to send it to once, or
     # None to pass the failure on.
-    failover: Callable[[], UpstreamPool | None] | None = None
+    failover: Callable[[], UpstreamPool | None] | None
+
+    def __init__(
+        self,
+        set_headers: Sequence[Header] = (),
+        drop_headers: frozenset[bytes] = frozenset(),
+        append: bytes = b"",
+        on_finish: Callable[[CallEnd], None] | None = None,
+        upstream: UpstreamPool | None = None,
+        failover: Callable[[], UpstreamPool | None] | None = None,
+    ) -> None:
+        self.set_headers = set_headers
+        self.drop_headers = drop_headers
+        self.append = append
+        self.on_finish = on_finish
+        self.upstream = upstream
+        self.failover = failover
 
 
 @dataclass(slots=True)

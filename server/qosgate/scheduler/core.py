@@ -68,7 +68,7 @@ class WaiterState(enum.Enum):
     DROPPED = "dropped"  # shed, expired or cancelled; `error` says why (None: cancelled)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class Waiter:
     """One request asking for a dispatch slot of `model`."""
 
@@ -79,14 +79,41 @@ class Waiter:
     deadline: float | None
     arrived_at: float
     # What a dispatch charges the tenant's fair-share tag (before dividing by its weight).
-    cost: float = 1.0
+    cost: float
     # Tokens it holds at the engine while in flight, against `token_quota` (None: no cap).
-    tokens: int = 0
-    token_quota: int | None = None
-    state: WaiterState = WaiterState.PENDING
-    error: GatewayError | None = None
+    tokens: int
+    token_quota: int | None
+    state: WaiterState
+    error: GatewayError | None
     # The async wrapper's handle on the waiting coroutine; the core never touches it.
-    future: asyncio.Future[None] | None = field(default=None, repr=False)
+    future: asyncio.Future[None] | None = field(repr=False)
+
+    # Written out (init=False), one per call: the `__init__` that `dataclasses` generates
+    # is interpreted even in a compiled module.
+    def __init__(
+        self,
+        tenant: str,
+        weight: float,
+        klass: str,
+        model: str,
+        deadline: float | None,
+        arrived_at: float,
+        cost: float = 1.0,
+        tokens: int = 0,
+        token_quota: int | None = None,
+    ) -> None:
+        self.tenant = tenant
+        self.weight = weight
+        self.klass = klass
+        self.model = model
+        self.deadline = deadline
+        self.arrived_at = arrived_at
+        self.cost = cost
+        self.tokens = tokens
+        self.token_quota = token_quota
+        self.state = WaiterState.PENDING
+        self.error = None
+        self.future = None
 
 
 @dataclass(slots=True, eq=False)
