@@ -32,8 +32,10 @@ from qosgate.memory import HeapTrimmer
 from qosgate.relay import upstream as relay_upstream
 from qosgate.relay.policy import CallEnd, CallHead, Decision, Forward, Refuse
 from qosgate.services import status
+from qosgate.scheduler.cost import unit_cost
+from qosgate.services import infer_wire
 from qosgate.services.infer_wire import InferRequestHead
-from qosgate.services.kserve import PRIORITY_HEADER, dispatch_fragment, peek_infer_request, request_cost
+from qosgate.services.kserve import PRIORITY_HEADER
 from qosgate.upstream import Upstream, UpstreamPool
 
 RPC = "ModelInfer"
@@ -184,6 +186,35 @@ class _RoutedCall:
     def done(self) -> None:
         self.upstream.in_flight -= 1
         self._scope.upstream_finished()
+
+
+def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> InferRequestHead:
+    """The routing fields of a ModelInferRequest; INVALID_ARGUMENT if it does not parse."""
+    try:
+        head = infer_wire.peek_request(raw, max_fields)
+    except infer_wire.WireError as e:
+        raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
+    if not head.model_name:
+        raise errors.InvalidArgument("ModelInferRequest has no model_name")
+    return head
+
+
+def request_cost(config: GatewayConfig, head: InferRequestHead, size: int) -> float:
+    """What a KServe request of `size` bytes costs in fair share (its model's cost unit)."""
+    unit = config.model_policy(head.model_name).cost_unit
+    # The rows are read only where they are the cost: reading them walks into the inputs.
+    return unit_cost(unit, texts=head.rows if unit == "text" else 1, size=size)
+
+
+def dispatch_fragment(level: int, remaining_s: float | None) -> bytes:
+    """The bytes appended to a request at dispatch: Triton's priority `level`, and its
+    timeout from the seconds left to the deadline (DEADLINE_EXCEEDED if none are)."""
+    fragment = infer_wire.priority_fragment(level)
+    if remaining_s is None:
+        return fragment
+    if remaining_s <= 0:
+        raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
+    return fragment + infer_wire.timeout_fragment(int(remaining_s * 1_000_000))
 
 
 def refusal(error: BaseException) -> Refuse:

@@ -41,11 +41,11 @@ from qosgate.memory import HeapTrimmer
 from qosgate.quota import Refused, StreamLimiter
 from qosgate.relay import framing, http2
 from qosgate.relay import upstream as relay_upstream
-from qosgate.relay.infer_policy import code_name, refusal
+from qosgate.relay.infer_policy import code_name, peek_infer_request, refusal, request_cost
 from qosgate.relay.messages import OK_STATUS, ClientStream, ServerStream, StreamError
 from qosgate.relay.policy import UNAVAILABLE, Refuse, status_headers
 from qosgate.services import infer_wire, status
-from qosgate.services.kserve import GRPC_ERROR_HEADER, PRIORITY_HEADER, STREAM_RPC, peek_infer_request, request_cost
+from qosgate.services.kserve import GRPC_ERROR_HEADER, PRIORITY_HEADER, STREAM_RPC
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import SERVICE
 

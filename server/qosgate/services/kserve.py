@@ -3,7 +3,7 @@
 Every RPC of the service but the two inference ones is handled here, registered with
 bytes in and bytes out so the gateway forwards what the caller sent without decoding it.
 ModelInfer and ModelStreamInfer never reach this server: the relay in front of it serves
-them itself (relay/infer_policy.py, relay/stream_infer.py, with the helpers here):
+them itself (relay/infer_policy.py, relay/stream_infer.py):
 
 - model-scoped metadata (ModelReady/Metadata/Config/Statistics) and RepositoryIndex:
   forwarded after authentication, showing a tenant only its allowed models; asking about
@@ -23,11 +23,8 @@ import grpc
 from google.protobuf import message_factory
 from tritonclient.grpc import service_pb2
 
-from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
-from qosgate.config import GatewayConfig
-from qosgate.scheduler.cost import unit_cost
-from qosgate.services import edge, infer_wire, status
+from qosgate.services import edge, status
 from qosgate.upstream import Upstream, UpstreamPool
 from qosgate.upstream.pool import METHODS, SERVICE
 
@@ -142,35 +139,6 @@ class KServeService:
             self._pool.recheck(upstream)
         await context.abort(error.code(), status.bounded(error.details() or ""), error.trailing_metadata() or ())
 
-
-
-def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> infer_wire.InferRequestHead:
-    """The routing fields of a ModelInferRequest; INVALID_ARGUMENT if it does not parse."""
-    try:
-        head = infer_wire.peek_request(raw, max_fields)
-    except infer_wire.WireError as e:
-        raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
-    if not head.model_name:
-        raise errors.InvalidArgument("ModelInferRequest has no model_name")
-    return head
-
-
-def request_cost(config: GatewayConfig, head: infer_wire.InferRequestHead, size: int) -> float:
-    """What a KServe request of `size` bytes costs in fair share (its model's cost unit)."""
-    unit = config.model_policy(head.model_name).cost_unit
-    # The rows are read only where they are the cost: reading them walks into the inputs.
-    return unit_cost(unit, texts=head.rows if unit == "text" else 1, size=size)
-
-
-def dispatch_fragment(level: int, remaining_s: float | None) -> bytes:
-    """The bytes appended to a request at dispatch: Triton's priority `level`, and its
-    timeout from the seconds left to the deadline (DEADLINE_EXCEEDED if none are)."""
-    fragment = infer_wire.priority_fragment(level)
-    if remaining_s is None:
-        return fragment
-    if remaining_s <= 0:
-        raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
-    return fragment + infer_wire.timeout_fragment(int(remaining_s * 1_000_000))
 
 
 _Check = Callable[[Tenant, Any], None]
