@@ -6,7 +6,7 @@ gRPC status code and status details; domain code only raises or returns them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class GatewayError(Exception):
@@ -29,9 +29,10 @@ class InvalidArgument(GatewayError):
     """The request itself is malformed (e.g. an unknown priority class)."""
 
 
-@dataclass(frozen=True, slots=True)
-class QuotaViolation:
-    """One exceeded limit, in the shape of google.rpc.QuotaFailure.Violation."""
+class QuotaViolation(NamedTuple):
+    """One exceeded limit, in the shape of google.rpc.QuotaFailure.Violation. A tuple: every
+    refusal builds one and hashes it (the status details are cached by their violations),
+    which a frozen dataclass does in interpreted code."""
 
     subject: str
     description: str

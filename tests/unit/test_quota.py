@@ -112,6 +112,23 @@ async def test_a_refusal_charges_nothing_and_names_every_violation() -> None:
     assert store.in_flight("acme") == 1
 
 
+async def test_refusals_describe_the_limits_of_the_moment() -> None:
+    """A refusal's violations are described once per limits: a reload's new limits for the
+    same tenant are described anew, not served from the last refusal."""
+    clock = FakeClock()
+    admission = Admission(InMemoryQuotaStore(), clock)
+    for rate in (1, 3, 1):
+        acme = tenant(requests_per_second=rate, burst=1)
+        assert isinstance(await admission.admit(acme), Admitted)
+        for _ in range(2):  # the second is described from the first
+            refused = await admission.admit(acme)
+            assert isinstance(refused, Refused)
+            assert [v.description for v in refused.violations] == [
+                f"requests_per_second limit {rate} (burst 1) exceeded"
+            ]
+            assert refused.retry_after_s == pytest.approx(1 / rate)
+
+
 async def test_tokens_per_minute_reserve_and_reconcile() -> None:
     clock = FakeClock()
     admission = Admission(InMemoryQuotaStore(), clock)

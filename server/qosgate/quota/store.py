@@ -132,14 +132,32 @@ class InMemoryQuotaStore:
         return state.in_flight if state is not None else 0
 
 
+# A refusal's violations by tenant and which limits refused (rate, concurrency, tokens),
+# with the limits they were described from: a tenant retrying in a loop is refused the same
+# way thousands of times a second, and is described once per limits object (a reload's new
+# one is described again). At most eight entries per tenant of the config.
+_described: dict[tuple[str, bool, bool, bool], tuple[LimitsConfig, tuple[QuotaViolation, ...]]] = {}
+
+
 def refusal(
     tenant: str, limits: LimitsConfig, rate_wait: float, token_wait: float, at_concurrency: bool
 ) -> Refused:
     """The Refused for these waits (seconds; 0.0 = that limit admits) and a full house."""
+    key = (tenant, bool(rate_wait), at_concurrency, bool(token_wait))
+    known = _described.get(key)
+    if known is None or known[0] is not limits:
+        known = _described[key] = (limits, _violations(tenant, limits, *key[1:]))
+    concurrency_wait = CONCURRENCY_RETRY_AFTER_S if at_concurrency else 0.0
+    return Refused(max(rate_wait, token_wait, concurrency_wait), known[1])
+
+
+def _violations(
+    tenant: str, limits: LimitsConfig, rate: bool, at_concurrency: bool, tokens: bool
+) -> tuple[QuotaViolation, ...]:
     # Descriptions are formatted only on refusal: admission itself stays free of strings.
     subject = f"tenant:{tenant}"
     violations = []
-    if rate_wait:
+    if rate:
         violations.append(
             QuotaViolation(
                 subject,
@@ -151,14 +169,11 @@ def refusal(
         violations.append(
             QuotaViolation(subject, f"max_concurrent limit {limits.max_concurrent} reached")
         )
-    if token_wait:
+    if tokens:
         violations.append(
             QuotaViolation(subject, f"tokens_per_minute limit {limits.tokens_per_minute} exceeded")
         )
-    concurrency_wait = CONCURRENCY_RETRY_AFTER_S if at_concurrency else 0.0
-    return Refused(
-        retry_after_s=max(rate_wait, token_wait, concurrency_wait), violations=tuple(violations)
-    )
+    return tuple(violations)
 
 
 def _rate_bucket(limits: LimitsConfig, now: float) -> TokenBucket | None:

@@ -15,7 +15,7 @@ class Permit:
     reserved_tokens: int
     _on_release: Callable[[int | None], Awaitable[None]] | None = field(repr=False)
 
-    # Written out (init=False) here and in Admitted, built on every admitted call: the
+    # Written out (init=False) here, in Admitted and in Refused, built on every call: the
     # `__init__` that `dataclasses` generates is interpreted even in a compiled module.
     def __init__(self, reserved_tokens: int, on_release: Callable[[int | None], Awaitable[None]] | None) -> None:
         self.reserved_tokens = reserved_tokens
@@ -39,12 +39,16 @@ class Admitted:
         self.permit = permit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False)
 class Refused:
     """The request exceeds at least one limit; none of its limits were charged."""
 
     retry_after_s: float
     violations: tuple[QuotaViolation, ...]
+
+    def __init__(self, retry_after_s: float, violations: tuple[QuotaViolation, ...]) -> None:
+        self.retry_after_s = retry_after_s
+        self.violations = violations
 
     def error(self) -> QuotaExceeded:
         described = "; ".join(v.description for v in self.violations)

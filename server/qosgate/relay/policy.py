@@ -9,11 +9,11 @@ may answer at once or return an awaitable (admission and scheduling wait).
 
 from __future__ import annotations
 
-import base64
+import binascii
 import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from qosgate.auth import ConnectionCredentials
@@ -123,14 +123,20 @@ class Forward:
         self.failover = failover
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Refuse:
     """Answer the call with this status, without an upstream call."""
 
     status: int
-    message: str = ""
-    details: bytes = b""  # a serialized google.rpc.Status, sent as grpc-status-details-bin
-    extra: Sequence[Header] = field(default=())
+    message: str
+    details: bytes  # a serialized google.rpc.Status, sent as grpc-status-details-bin
+    extra: Sequence[Header]
+
+    def __init__(self, status: int, message: str = "", details: bytes = b"", extra: Sequence[Header] = ()) -> None:
+        self.status = status
+        self.message = message
+        self.details = details
+        self.extra = extra
 
 
 Decision = Forward | Refuse
@@ -162,7 +168,7 @@ def status_headers(refusal: Refuse) -> list[Header]:
     """The trailer fields that carry a status, encoded as gRPC requires."""
     fields = list(_status_fields(refusal.status, refusal.message))
     if refusal.details:
-        fields.append((b"grpc-status-details-bin", base64.b64encode(refusal.details).rstrip(b"=")))
+        fields.append((b"grpc-status-details-bin", binascii.b2a_base64(refusal.details, newline=False).rstrip(b"=")))
     fields.extend(refusal.extra)
     return fields
 
