@@ -32,6 +32,10 @@ DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
+# What a request of a model without token counts costs in fair share (scheduler/cost.py).
+CostUnit = Literal["request", "text", "byte"]
+
+
 class ConfigError(Exception):
     """A config file that cannot be used; the message has one `FILE: key.path: reason` per line."""
 
@@ -362,7 +366,7 @@ class ModelPolicy(_Frozen):
     window_max: int = Field(default=64, ge=1)
     """Largest window `auto` grows to; keep it at most the engine's batch limit
     (vLLM `max_num_seqs`)."""
-    cost_unit: Literal["request", "text", "byte"] = "request"
+    cost_unit: CostUnit = "request"
     """Fair-share cost of a request without token counts (embedding and KServe calls):
     `request` 1 each, `text` 1 per input text (an embedding call) or batch row (the first
     dimension of a KServe call's first input), `byte` 1 per byte of the request."""

@@ -24,7 +24,7 @@ from google.rpc import code_pb2
 
 from qosgate import errors
 from qosgate.auth import API_KEY, AUTHORIZATION
-from qosgate.config import GatewayConfig
+from qosgate.config import CostUnit, GatewayConfig
 from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
 from qosgate.dataplane.tracing import TRACEPARENT, TRACESTATE
 from qosgate.eager import run_eagerly
@@ -68,6 +68,7 @@ class InferAdmissionPolicy:
         self._connections = connections
         self._heap = heap
         self._closing: set[asyncio.Task[None]] = set()
+        self._models = ModelFacts(config)
 
     def __call__(self, head: CallHead) -> Decision | asyncio.Task[Decision]:
         return self._start(self._decide(head))
@@ -110,14 +111,15 @@ class InferAdmissionPolicy:
     ) -> Decision:
         model = request.model_name
         size = len(head.first_message)
-        cost = CallCost(fair_share=request_cost(self._config, request, size))
+        facts = self._models
+        cost = CallCost(fair_share=request_cost(facts.cost_unit(model), request, size))
         dispatch = await scope.admit(
             cost, priority_class=headers.get(PRIORITY_HEADER), deadline=self._plane.deadline(head.timeout)
         )
         # Under prefix_affinity a KServe call is keyed by its session header only: the
         # gateway does not read tensors.
-        header = self._pool.session_header(model)
-        value = head.header(header.encode("latin-1")) if header else None
+        header = facts.session_header(model)
+        value = head.header(header) if header is not None else None
         session = value.decode("latin-1") if value is not None else None
         key = self._pool.key(model, session=session) if session else None
         fragment = dispatch_fragment(dispatch.priority_level, scope.timeout_s)
@@ -148,6 +150,32 @@ class InferAdmissionPolicy:
             upstream=self._connections[call.upstream.name],
             failover=failover if len(self._connections) > 1 else None,
         )
+
+
+class ModelFacts:
+    """What the relay reads of a model's policy on every call, from plain dicts: the
+    config's own lookups (pydantic models, a routing callable) run interpreted and cost
+    more than the rest of a call's routing."""
+
+    __slots__ = ("_units", "_default_unit", "_session_headers", "_default_session_header")
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._units = {name: policy.cost_unit for name, policy in config.models.items()}
+        self._default_unit: CostUnit = config.default_model_policy.cost_unit
+        self._session_headers = {name: _header_name(policy.routing.session_header) for name, policy in config.models.items()}
+        self._default_session_header = _header_name(config.default_model_policy.routing.session_header)
+
+    def cost_unit(self, model: str) -> CostUnit:
+        """The unit `model`'s calls are charged in (ModelPolicy.cost_unit)."""
+        return self._units.get(model, self._default_unit)
+
+    def session_header(self, model: str) -> bytes | None:
+        """The header (lower-case) `model`'s routing reads a session id from, if any."""
+        return self._session_headers.get(model, self._default_session_header)
+
+
+def _header_name(name: str | None) -> bytes | None:
+    return None if name is None else name.encode("latin-1")  # lower case (the config says so)
 
 
 def code_name(code: int) -> str:
@@ -199,9 +227,8 @@ def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> InferRequest
     return head
 
 
-def request_cost(config: GatewayConfig, head: InferRequestHead, size: int) -> float:
-    """What a KServe request of `size` bytes costs in fair share (its model's cost unit)."""
-    unit = config.model_policy(head.model_name).cost_unit
+def request_cost(unit: CostUnit, head: InferRequestHead, size: int) -> float:
+    """What a KServe request of `size` bytes costs in fair share, in its model's cost `unit`."""
     # The rows are read only where they are the cost: reading them walks into the inputs.
     return unit_cost(unit, texts=head.rows if unit == "text" else 1, size=size)
 

@@ -7,14 +7,14 @@ generated. Requests without token counts cost the model's `cost_unit`.
 
 from __future__ import annotations
 
-from typing import Literal
+from qosgate.config import CostUnit
 
 
 def token_cost(prompt_tokens: int, output_tokens: int, output_weight: float) -> float:
     return prompt_tokens + output_weight * output_tokens
 
 
-def unit_cost(unit: Literal["request", "text", "byte"], *, texts: int, size: int) -> float:
+def unit_cost(unit: CostUnit, *, texts: int, size: int) -> float:
     """The cost of a request of `texts` texts (or batch rows) and `size` bytes."""
     if unit == "text":
         return float(max(1, texts))

@@ -276,10 +276,6 @@ class UpstreamPool:
         """The affinity key of a call of `model` under its routing policy (None: none)."""
         return routing_key(self._routing(model), prompt, session)
 
-    def session_header(self, model: str) -> str | None:
-        """The header `model`'s routing reads a session id from, if any."""
-        return self._routing(model).session_header
-
     def failover(self, model: str, failed: Upstream, code: grpc.StatusCode, *, key: bytes | None) -> Upstream | None:
         """Where to retry a call that `failed` ended with `code` before any response: another
         live upstream if the code is UNAVAILABLE (Triton down, the connection lost, or the
