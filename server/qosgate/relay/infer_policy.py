@@ -160,10 +160,11 @@ class ModelFacts:
     __slots__ = ("_units", "_default_unit", "_session_headers", "_default_session_header")
 
     def __init__(self, config: GatewayConfig) -> None:
-        self._units = {name: policy.cost_unit for name, policy in config.models.items()}
-        self._default_unit: CostUnit = config.default_model_policy.cost_unit
-        self._session_headers = {name: _header_name(policy.routing.session_header) for name, policy in config.models.items()}
-        self._default_session_header = _header_name(config.default_model_policy.routing.session_header)
+        models, default = config.models, config.default_model_policy
+        self._units = {name: policy.cost_unit for name, policy in models.items()}
+        self._default_unit: CostUnit = default.cost_unit
+        self._session_headers = {name: _header_name(policy.routing.session_header) for name, policy in models.items()}
+        self._default_session_header = _header_name(default.routing.session_header)
 
     def cost_unit(self, model: str) -> CostUnit:
         """The unit `model`'s calls are charged in (ModelPolicy.cost_unit)."""

@@ -322,7 +322,8 @@ class _Session:
         """Admit the request, send it up the stream and wait for its final response; the
         reader (`_read`) reports its responses to the scope."""
         h = self._h
-        cost = CallCost(fair_share=request_cost(h.config.model_policy(head.model_name).cost_unit, head, len(raw)))
+        unit = h.config.model_policy(head.model_name).cost_unit
+        cost = CallCost(fair_share=request_cost(unit, head, len(raw)))
         deadline = h.plane.deadline(self._stream.time_remaining())
         dispatch = await scope.admit(cost, priority_class=self._headers.get(PRIORITY_HEADER), deadline=deadline)
         fragment = infer_wire.priority_fragment(dispatch.priority_level)
