@@ -294,6 +294,10 @@ class Stack:
         self._tmp.cleanup()
 
     def start_nginx(self) -> str:
+        """nginx grpc_pass in front of Triton (stopping the one an earlier call started);
+        returns its gRPC target."""
+        if self.nginx is not None:
+            self.nginx.stop()
         if shutil.which("nginx") is None:
             raise RuntimeError("nginx is not installed: make bench installs it (scripts/system_deps.sh nginx-light)")
         directory = self.dir / "nginx"
@@ -310,8 +314,10 @@ class Stack:
         return self.nginx_url
 
     def start_relay_alone(self) -> str:
-        """The gateway's relay with no policy in front of Triton (bench/relay_alone.py);
-        returns its gRPC target."""
+        """The gateway's relay with no policy in front of Triton (bench/relay_alone.py),
+        stopping the one an earlier call started; returns its gRPC target."""
+        if self.relay_alone is not None:
+            self.relay_alone.stop()
         port = free_port()
         self.relay_alone = GroupProcess(
             "relay alone",

@@ -7,6 +7,12 @@ context) at concurrency 16 on each path.
 The hops' CPU per request comes from /proc (utime+stime of the hop's process group over
 the measurement) divided by the requests Triton counted in the same interval.
 
+The full run measures every point in `ROUNDS` rounds, each with the hops started afresh,
+and reports each figure's median over them (the table shows the range): one process of
+the same code can run steadily cheaper or dearer than its twin for as long as it lives
+(bench/ab.py), and on a shared 2-core machine one point can meet a burst of someone
+else's work.
+
 The model is model_repository/identity as shipped: priority levels and queue bounds, with
 two instances, which is what keeps Triton 2.51's batcher from stalling ~500 ms on a
 missed wake-up (see the README's embedding section).
@@ -18,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import pathlib
+import statistics
 import time
 from collections.abc import Callable
 
@@ -43,6 +50,7 @@ PERF_TIMEOUT_S = 120.0
 TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
 # The gateway's per-model settings (bench.ab measures the same gateway).
 MODELS = {MODEL: {"dispatch_window": 64}}
+ROUNDS = 3  # in the full run
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,48 +125,92 @@ def profile_gateway(stack: Stack, url: str, concurrency: int, rate: float, secon
 
 def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 4, 16], [1, 2, 4, 8, 16, 32])
-    settings = perf.PerfSettings(requests=ctx.pick(5000, 20000))
+    rounds: int = ctx.pick(1, ROUNDS)
+    settings = perf.PerfSettings(requests=ctx.pick(5000, 8000))
     notes = [f"identity model (FP32[16]) as shipped, perf_analyzer 2.51.0 closed loop, "
-             f"{settings.requests} requests per point; nginx 1 worker with grpc_pass and upstream keepalive."]
-    samples: list[tuple[int, Sample]] = []
+             f"{settings.requests} requests per point and round; nginx 1 worker with grpc_pass and upstream keepalive."]
+    if rounds > 1:
+        notes.append(f"{rounds} rounds, each with nginx, the relay alone and qosgate started afresh; "
+                     "every figure is the median of its rounds, the table shows their range.")
+    runs: list[tuple[int, Sample]] = []
     found: profile.Profile | None = None
+    with_gateway = gateway_available()
+    if not with_gateway:
+        notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
     with checked(Stack(models=[MODEL])) as stack:
-        targets: list[tuple[str, str, GroupProcess | None]] = [
-            ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
-        if gateway_available():
-            targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
-            url = stack.start_gateway(tenants=TENANTS, models=MODELS)
-            targets.append(("qosgate", url, stack.gateway))
-        else:
-            notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
-        for concurrency in levels:
-            # Targets interleave at each level so machine drift hits them alike.
+        for _ in range(rounds):
+            targets = start_hops(stack, with_gateway)
+            for concurrency in levels:
+                # Targets interleave at each level so machine drift hits them alike.
+                for name, url, hop in targets:
+                    runs.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings,
+                                                             notes=notes)))
             for name, url, hop in targets:
-                samples.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings,
-                                                            notes=notes)))
-        for name, url, hop in targets:
-            samples.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, notes=notes,
-                                                 streaming=True)))
+                runs.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, notes=notes,
+                                                  streaming=True)))
+        points = by_point(runs)
+        samples = [(c, median(c, group)) for (c, _, _), group in points.items()]
         if stack.gateway is not None and profile.py_spy() is not None:
             measured = next(s for c, s in samples if c == BUSY and s.target == "qosgate" and not s.streaming)
             found = profile_gateway(stack, stack.gateway_url, BUSY, measured.point.throughput, ctx.pick(5.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {BUSY} "
                          "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
-    figures, tables = summarise(samples, levels)
+    figures, tables = summarise(samples, levels, {key: spread(group) for key, group in points.items()}
+                                if rounds > 1 else None)
     if found is not None:
         tables.update(found.tables())
     return ctx.result(figures, tables, notes=notes, plot=lambda path: draw(samples, path))
 
 
-def summarise(samples: list[tuple[int, Sample]], levels: list[int]
+def start_hops(stack: Stack, with_gateway: bool) -> list[tuple[str, str, GroupProcess | None]]:
+    """A round's targets, each hop a fresh process: (name, gRPC target, its process)."""
+    targets: list[tuple[str, str, GroupProcess | None]] = [
+        ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
+    if with_gateway:
+        targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
+        url = stack.start_gateway(tenants=TENANTS, models=MODELS)
+        targets.append(("qosgate", url, stack.gateway))
+    return targets
+
+
+Point = tuple[int, str, bool]  # concurrency, target, streaming
+
+
+def by_point(runs: list[tuple[int, Sample]]) -> dict[Point, list[Sample]]:
+    """The rounds' samples of each point, the points in the order first measured."""
+    grouped: dict[Point, list[Sample]] = {}
+    for c, s in runs:
+        grouped.setdefault((c, s.target, s.streaming), []).append(s)
+    return grouped
+
+
+def median(concurrency: int, rounds: list[Sample]) -> Sample:
+    """One point's rounds as one sample, each figure the median of its rounds."""
+    cpu = [s.cpu_us_per_request for s in rounds if s.cpu_us_per_request is not None]
+    point = perf.PerfPoint(concurrency, *(statistics.median(getattr(s.point, name) for s in rounds)
+                                          for name in ("throughput", "p50_us", "p90_us", "p99_us")))
+    return Sample(rounds[0].target, point, statistics.median(cpu) if cpu else None, rounds[0].streaming)
+
+
+def spread(rounds: list[Sample]) -> dict[str, str]:
+    """One point's range over the rounds, as table cells: throughput and hop CPU."""
+    rates = [s.point.throughput for s in rounds]
+    cpu = [s.cpu_us_per_request for s in rounds if s.cpu_us_per_request is not None]
+    return {"infer/s range": f"{min(rates):,.0f}-{max(rates):,.0f}",
+            "hop CPU range": f"{min(cpu):.0f}-{max(cpu):.0f} us" if cpu else ""}
+
+
+def summarise(samples: list[tuple[int, Sample]], levels: list[int],
+              ranges: dict[Point, dict[str, str]] | None = None
               ) -> tuple[list[Figure], dict[str, list[dict[str, object]]]]:
     by = {(c, s.target): s for c, s in samples if not s.streaming}
     streams = {s.target: s for _, s in samples if s.streaming}
-    rows = [
+    rows: list[dict[str, object]] = [
         {"concurrency": c, "target": s.target, "mode": "streaming" if s.streaming else "unary",
          "infer/s": round(s.point.throughput, 1),
          "p50 ms": s.point.p50_us / 1e3, "p99 ms": s.point.p99_us / 1e3,
-         "hop CPU us/req": "" if s.cpu_us_per_request is None else round(s.cpu_us_per_request, 1)}
+         "hop CPU us/req": "" if s.cpu_us_per_request is None else round(s.cpu_us_per_request, 1),
+         **(ranges[(c, s.target, s.streaming)] if ranges is not None else {})}
         for c, s in samples
     ]
     figures: list[Figure] = []
