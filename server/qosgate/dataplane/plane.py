@@ -19,7 +19,7 @@ Each attempt at an upstream (a failover makes two) is one `upstream_started` ..
 and is where every API's request, rejection and queue metrics are recorded, so they cannot
 drift apart between front ends. In-process callers use the scope as an async context
 manager, which closes it with the exception that left the block; a front end whose call
-ends in a callback (the HTTP/2 relay's `on_finish`) calls `close_with_code` itself.
+ends in a callback (the HTTP/2 relay's `on_finish`) calls `close_now` itself.
 
 No transport here: a refusal is raised as a GatewayError, and the front end's error
 wrapper turns it into its status (gRPC) or HTTP response.
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -195,7 +195,10 @@ class CallScope:
             if isinstance(reservation, Refused):
                 raise reservation.error()
             self._budget_reservation = reservation
-        verdict = await plane.admission.admit(tenant, cost_tokens=cost.tokens)
+        admission = plane.admission
+        verdict = admission.admit_now(tenant, cost_tokens=cost.tokens)
+        if verdict is None:  # a shared quota store: its answer comes over the network
+            verdict = await admission.admit(tenant, cost_tokens=cost.tokens)
         if isinstance(verdict, Refused):
             raise verdict.error()
         self._permit = verdict.permit
@@ -205,7 +208,9 @@ class CallScope:
         )
         queued = plane.tracing.child(self.span, "queue") if self._traced else None
         try:
-            dispatch = await slot.__aenter__()
+            dispatch = slot.enter_now()
+            if dispatch is None:
+                dispatch = await slot.wait()
         finally:
             if queued is not None:
                 queued.end()
@@ -296,31 +301,52 @@ class CallScope:
     async def close_with_code(self, code: str, error: BaseException | None = None) -> None:
         """`close` for a front end that knows the call's status code rather than an error
         (the relay: Triton's code, "UPSTREAM_ERROR" for an in-band stream error)."""
+        pending = self.close_now(code, error)
+        if pending is not None:
+            await pending
+
+    def close_now(self, code: str, error: BaseException | None = None) -> Awaitable[None] | None:
+        """`close_with_code`, begun at once: None once it is done, else what is left to
+        await (a usage record to write, a shared quota store's answer). The relay closes a
+        call in a protocol callback, without a coroutine where nothing waits."""
         if self._closed:
-            return
+            return None
         self._closed = True
-        plane, labels = self._plane, self.labels
-        labels.code = code
+        self.labels.code = code
         self.upstream_finished()  # a call cancelled mid-upstream
         self.free_slot()
-        # A meter that cannot write must not leak the tenant's slot and tokens. (No await
-        # in a `finally` here: mypyc-compiled, one re-raised an exception being handled.)
+        if self._usage is not None:
+            return self._record_and_settle(self._usage, error)
+        return self._settle(error)
+
+    async def _record_and_settle(self, usage: UsageRecord, error: BaseException | None) -> None:
+        # The usage is in the ledger before the day's budget reservation is settled, so the
+        # budget never undercounts. A meter that cannot write must not leak the tenant's
+        # slot and tokens. (No await in a `finally` here: mypyc-compiled, one re-raised an
+        # exception being handled.)
+        plane, labels = self._plane, self.labels
+        plane.metrics.tokens(labels.model, labels.tenant, usage.prompt_tokens, usage.completion_tokens)
         failed: BaseException | None = None
-        usage = self._usage
-        if usage is not None:
-            plane.metrics.tokens(labels.model, labels.tenant, usage.prompt_tokens, usage.completion_tokens)
-            try:
-                await plane.usage.record(usage)
-            except BaseException as e:
-                failed = e
-        if self._budget_reservation is not None:
-            plane.budget.settle(self._budget_reservation)
-        if self._permit is not None:
-            await self._permit.release(actual_tokens=self._actual_tokens)
-        if isinstance(error, GatewayError):
-            plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
-        plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, code)
-        if self._traced:
-            plane.tracing.end_call(self.span, code, error)
+        try:
+            await plane.usage.record(usage)
+        except BaseException as e:
+            failed = e
+        pending = self._settle(error)
+        if pending is not None:
+            await pending
         if failed is not None:
             raise failed
+
+    def _settle(self, error: BaseException | None) -> Awaitable[None] | None:
+        """Settle the budget reservation, free the permit, count the call and end its span;
+        what is left to await of the permit's release (a shared quota store), if anything."""
+        plane, labels = self._plane, self.labels
+        if self._budget_reservation is not None:
+            plane.budget.settle(self._budget_reservation)
+        pending = self._permit.release_now(self._actual_tokens) if self._permit is not None else None
+        if isinstance(error, GatewayError):
+            plane.metrics.rejected(row_of(error).reason, labels.tenant, labels.klass)
+        plane.metrics.request_done(labels.rpc, labels.model, labels.tenant, labels.klass, labels.code)
+        if self._traced:
+            plane.tracing.end_call(self.span, labels.code, error)
+        return pending

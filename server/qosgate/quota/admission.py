@@ -7,7 +7,7 @@ from functools import partial
 from qosgate.auth import Tenant
 from qosgate.clock import Clock
 from qosgate.config import LimitsConfig
-from qosgate.quota.store import QuotaStore
+from qosgate.quota.store import InMemoryQuotaStore, QuotaStore
 from qosgate.quota.verdict import Admitted, Permit, Verdict
 
 
@@ -18,6 +18,8 @@ class Admission:
     def __init__(self, store: QuotaStore, clock: Clock) -> None:
         self._store = store
         self._clock = clock
+        # Quota state in this process is charged and freed without a coroutine (`admit_now`).
+        self._local = store if isinstance(store, InMemoryQuotaStore) else None
 
     @property
     def in_process(self) -> bool:
@@ -30,15 +32,34 @@ class Admission:
         `cost_tokens` is an LLM request's estimated tokens (prompt + max new tokens), taken
         from its tokens_per_minute bucket; `permit.release(actual_tokens)` settles it.
         """
+        decided = self.admit_now(tenant, cost_tokens=cost_tokens)
+        if decided is not None:
+            return decided
         limits = tenant.limits
         refused = await self._store.acquire(tenant.name, limits, self._clock.now(), cost_tokens)
         if refused is not None:
             return refused
-        return Admitted(
-            Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens))
-        )
+        return Admitted(Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens)))
+
+    def admit_now(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict | None:
+        """`admit` decided at once where the quota state is in this process (its permit
+        releases at once too); None where it is not: await `admit`."""
+        local = self._local
+        if local is None:
+            return None
+        limits = tenant.limits
+        refused = local.acquire_now(tenant.name, limits, self._clock.now(), cost_tokens)
+        if refused is not None:
+            return refused
+        return Admitted(Permit(cost_tokens, partial(self._release_now, local, tenant.name, limits, cost_tokens)))
 
     async def _release(
         self, tenant: str, limits: LimitsConfig, reserved_tokens: int, actual_tokens: int | None
     ) -> None:
         await self._store.release(tenant, limits, self._clock.now(), reserved_tokens, actual_tokens)
+
+    def _release_now(
+        self, local: InMemoryQuotaStore, tenant: str, limits: LimitsConfig, reserved_tokens: int,
+        actual_tokens: int | None,
+    ) -> None:
+        local.release_now(tenant, limits, self._clock.now(), reserved_tokens, actual_tokens)

@@ -90,6 +90,16 @@ class InMemoryQuotaStore:
     async def acquire(
         self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int
     ) -> Refused | None:
+        return self.acquire_now(tenant, limits, now, cost_tokens)
+
+    async def release(
+        self, tenant: str, limits: LimitsConfig, now: float, reserved_tokens: int, actual_tokens: int | None
+    ) -> None:
+        self.release_now(tenant, limits, now, reserved_tokens, actual_tokens)
+
+    # `acquire` and `release` without a coroutine, for a caller that knows it has this store.
+
+    def acquire_now(self, tenant: str, limits: LimitsConfig, now: float, cost_tokens: int) -> Refused | None:
         state = self._state(tenant, limits, now)
         requests, tokens = state.requests, state.tokens
         rate_wait = requests.wait_s(now, 1) if requests is not None else 0.0
@@ -106,13 +116,8 @@ class InMemoryQuotaStore:
         state.in_flight += 1
         return None
 
-    async def release(
-        self,
-        tenant: str,
-        limits: LimitsConfig,
-        now: float,
-        reserved_tokens: int,
-        actual_tokens: int | None,
+    def release_now(
+        self, tenant: str, limits: LimitsConfig, now: float, reserved_tokens: int, actual_tokens: int | None
     ) -> None:
         state = self._states.get(tenant)
         if state is None:

@@ -41,7 +41,7 @@ class StreamLimiter:
     def open_streams(self, tenant: str) -> int:
         return self._open.get(tenant, 0)
 
-    async def _close(self, tenant: str, _actual_tokens: int | None) -> None:
+    def _close(self, tenant: str, _actual_tokens: int | None) -> None:
         left = self._open.get(tenant, 0) - 1
         if left > 0:
             self._open[tenant] = left

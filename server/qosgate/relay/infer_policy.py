@@ -133,8 +133,9 @@ class InferAdmissionPolicy:
             code = "CANCELLED" if end.status is None else code_name(end.status)
             call.done()
             self._heap.message(size)
-            closing = self._start(scope.close_with_code(code))
-            if closing is not None:  # it waits (a shared quota store): keep it until done
+            pending = scope.close_now(code)
+            if pending is not None:  # it waits (a shared quota store): keep it until done
+                closing = asyncio.ensure_future(pending)
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
 

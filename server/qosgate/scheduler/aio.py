@@ -135,20 +135,29 @@ class Scheduler:
             self._resolve(self._core.resize(model, window, self._clock.now()))
 
     async def _acquire(self, waiter: Waiter) -> Dispatch:
+        dispatch = self._submit(waiter)
+        return dispatch if dispatch is not None else await self._wait(waiter)
+
+    def _submit(self, waiter: Waiter) -> Dispatch | None:
+        """Queue `waiter`: its Dispatch if it went at once, else None (`_wait` for it)."""
         core = self._core
         now = self._clock.now()
         waiter.arrived_at = now
-        level = core.level(waiter.klass) + 1
+        level = core.level(waiter.klass) + 1  # InvalidArgument for an unknown class
         self._resolve(core.submit(waiter, now))
-        # Not narrowed by an `if` on the state: the await below changes it behind mypy's back.
-        dispatched_at_once = waiter.state is WaiterState.DISPATCHED
-        if dispatched_at_once:
+        if waiter.state is WaiterState.DISPATCHED:
             return Dispatch(self, waiter, 0.0, level)
+        return None
+
+    async def _wait(self, waiter: Waiter) -> Dispatch:
+        """Wait for a queued `waiter`'s dispatch (see `slot` for how it fails)."""
+        core = self._core
+        level = core.level(waiter.klass) + 1
         loop = asyncio.get_running_loop()
         future = waiter.future = loop.create_future()
         timer = None
         if waiter.deadline is not None:
-            timer = loop.call_later(waiter.deadline - now, self._expire, waiter)
+            timer = loop.call_later(waiter.deadline - waiter.arrived_at, self._expire, waiter)
         try:
             await future
         except asyncio.CancelledError:
@@ -174,7 +183,7 @@ class Scheduler:
         for waiter in decided:
             future = waiter.future
             if future is None or future.done():
-                # Its coroutine was cancelled meanwhile; `_acquire` cleans up.
+                # Its coroutine was cancelled meanwhile; `_wait` cleans up.
                 continue
             if waiter.error is not None:
                 future.set_exception(waiter.error)
@@ -206,6 +215,16 @@ class Slot:
 
     def __aenter__(self) -> Coroutine[None, None, Dispatch]:
         return self._scheduler._acquire(self._waiter)
+
+    # `__aenter__` in two steps, for a caller that goes on at once when it need not wait.
+
+    def enter_now(self) -> Dispatch | None:
+        """Queue for the slot: the Dispatch if it was free, else None (await `wait`)."""
+        return self._scheduler._submit(self._waiter)
+
+    def wait(self) -> Coroutine[None, None, Dispatch]:
+        """After `enter_now` gave None: the wait for the slot."""
+        return self._scheduler._wait(self._waiter)
 
     async def __aexit__(
         self,
