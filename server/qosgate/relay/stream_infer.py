@@ -41,7 +41,7 @@ from qosgate.memory import HeapTrimmer
 from qosgate.quota import Refused, StreamLimiter
 from qosgate.relay import framing, http2
 from qosgate.relay import upstream as relay_upstream
-from qosgate.relay.infer_policy import code_name, peek_infer_request, refusal, request_cost
+from qosgate.relay.infer_policy import ModelFacts, code_name, peek_infer_request, refusal, request_cost
 from qosgate.relay.messages import OK_STATUS, ClientStream, ServerStream, StreamError
 from qosgate.relay.policy import UNAVAILABLE, Refuse, status_headers
 from qosgate.services import infer_wire, status
@@ -68,6 +68,7 @@ class StreamInferHandler:
         heap: HeapTrimmer,
     ) -> None:
         self.config = config
+        self.models = ModelFacts(config)
         self.plane = plane
         self.pool = pool
         self.connections = connections
@@ -322,8 +323,7 @@ class _Session:
         """Admit the request, send it up the stream and wait for its final response; the
         reader (`_read`) reports its responses to the scope."""
         h = self._h
-        unit = h.config.model_policy(head.model_name).cost_unit
-        cost = CallCost(fair_share=request_cost(unit, head, len(raw)))
+        cost = CallCost(fair_share=request_cost(h.models.cost_unit(head.model_name), head, len(raw)))
         deadline = h.plane.deadline(self._stream.time_remaining())
         dispatch = await scope.admit(cost, priority_class=self._headers.get(PRIORITY_HEADER), deadline=deadline)
         fragment = infer_wire.priority_fragment(dispatch.priority_level)
