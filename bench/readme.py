@@ -1,7 +1,9 @@
-"""Rewrite README's `performance` section from the latest bench/results/*.json."""
+"""Rewrite README's `performance` section from the latest bench/results/*.json: the rows of
+the scenarios that have a result there, the others' as the section had them."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 import shutil
@@ -14,8 +16,11 @@ PLOTS = "docs/bench"
 SECTION = re.compile(r"(<!-- section: performance -->\n)(.*?)(<!-- /section: performance -->)", re.S)
 
 
-def section_text(results: list[report.ScenarioResult], plotted: list[str]) -> str:
-    """The section's markdown; `plotted`: the scenarios whose plot sits in PLOTS."""
+def section_text(results: list[report.ScenarioResult], plotted: list[str],
+                 before: dict[str, Shown] | None = None) -> str:
+    """The section's markdown; `plotted`: the scenarios whose plot sits in PLOTS; `before`:
+    what the section showed of each scenario, kept for those with no result this time."""
+    before = before or {}
     lines = [
         "## Performance",
         "",
@@ -23,32 +28,74 @@ def section_text(results: list[report.ScenarioResult], plotted: list[str]) -> st
         "(full length) run the suite; `python -m bench <scenario> [--quick]` runs one of",
         "`overhead isolation fairness quota llm window batching routing`. Each scenario starts what it needs",
         "(local Triton, nginx `grpc_pass` as the plain-proxy reference, `qosgate serve` with a",
-        "generated config) on free loopback ports, runs a bounded load (perf_analyzer 2.51.0 from",
-        "`make tools`, or a grpc.aio KServe client for multi-tenant and streaming loads), stops",
-        "every process group it started and checks that none is left, and writes",
-        "`bench/results/<scenario>.json` + `.png` and `bench/results/REPORT.md` (with the",
-        "tables, plots and the gateway's py-spy profile). `--update-readme` rewrites this section",
-        f"and copies each scenario's plot to `{PLOTS}/`, where the images below are committed.",
+        "generated config, and for overhead the gateway's relay alone, with no policy) on free",
+        "loopback ports, runs a bounded load (perf_analyzer 2.51.0 from `make tools`, or a grpc.aio",
+        "KServe client for multi-tenant and streaming loads; the isolation floods from a process",
+        "of their own at nice 19, `bench/flood.py`), stops every process group it started and",
+        "checks that none is left, and writes `bench/results/<scenario>.json` + `.png` and",
+        "`bench/results/REPORT.md` (with the tables, plots and the gateway's py-spy profile).",
+        "`--update-readme` rewrites this section's rows of the scenarios that have a result there",
+        f"(the others' stay as they were) and copies each plot to `{PLOTS}/`, where the images",
+        "below are committed.",
         "",
-        "The figures below come from the latest run on a shared 2-core CPU machine with no GPU",
-        "(other jobs running: read the ratios to the references, measured in the same run, rather",
-        "than the absolute numbers). Aims are issue 6's (the overhead ones and the refusal loops':",
-        "issue 15's); the distance says by how much each is met or missed.",
+        "The figures come from the latest run of each scenario on a shared 2-core machine with no",
+        "GPU (other jobs running: read the ratios to the references, measured in the same run,",
+        "rather than the absolute numbers); \"Reading the figures\" below says which runs and what",
+        "moved between them. Aims are issue 6's (the overhead ones and the refusal loops': issue",
+        "15's); the distance says by how much each is met or missed.",
         "",
     ]
-    figures = [(r, f) for r in results for f in r.figures]
+    fresh = {r.scenario: r for r in results}
     lines += ["| scenario | figure | measured | aim | distance | reference | command |",
               "|---|---|---|---|---|---|---|"]
-    for result, fig in figures:
-        cells = [result.scenario, fig.label, report.format_value(fig.value, fig.unit),
-                 report.aim_text(fig), report.verdict(fig),
-                 "; ".join(x for x in (fig.reference, fig.note) if x), f"`{result.command}`"]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    runs = ", ".join(f"{r.scenario} {r.started_utc}" for r in results)
-    lines += ["", f"Runs: {runs}." if runs else "No benchmark has been run yet."]
-    for scenario in plotted:
-        lines += ["", f"![{scenario}]({PLOTS}/{scenario}.png)"]
+    runs, plots = [], []
+    # In the order the section had them; a scenario shown for the first time goes last.
+    for scenario in [*before, *(name for name in fresh if name not in before)]:
+        result = fresh.get(scenario)
+        if result is None:
+            lines += before[scenario].rows
+            runs.append(before[scenario].run)
+            plots += before[scenario].plot
+            continue
+        for fig in result.figures:
+            cells = [result.scenario, fig.label, report.format_value(fig.value, fig.unit),
+                     report.aim_text(fig), report.verdict(fig),
+                     "; ".join(x for x in (fig.reference, fig.note) if x), f"`{result.command}`"]
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        runs.append(f"{scenario} {result.started_utc}")
+        if scenario in plotted:
+            plots.append(f"![{scenario}]({PLOTS}/{scenario}.png)")
+    lines += ["", f"Runs: {', '.join(runs)}." if runs else "No benchmark has been run yet."]
+    for plot in plots:
+        lines += ["", plot]
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(slots=True)
+class Shown:
+    """What the section shows of a scenario: its table rows, its entry in the Runs line and
+    its plot line (empty when it has none)."""
+
+    rows: list[str]
+    run: str
+    plot: list[str]
+
+
+def shown(section: str) -> dict[str, Shown]:
+    """Each scenario's rows, run and plot as `section` (one written by section_text) has them."""
+    found: dict[str, Shown] = {}
+    runs = re.search(r"^Runs: (.*)\.$", section, re.M)
+    for entry in runs.group(1).split(", ") if runs else []:
+        name = entry.split(" ", 1)[0]
+        found[name] = Shown([], entry, [])
+    for line in section.splitlines():
+        row = re.match(r"\| ([\w-]+) \|", line)
+        if row and row.group(1) in found:
+            found[row.group(1)].rows.append(line)
+        plot = re.match(r"!\[([\w-]+)\]", line)
+        if plot and plot.group(1) in found:
+            found[plot.group(1)].plot.append(line)
+    return found
 
 
 def update(readme: pathlib.Path = README, results: pathlib.Path = report.RESULTS_DIR) -> None:
@@ -62,5 +109,5 @@ def update(readme: pathlib.Path = README, results: pathlib.Path = report.RESULTS
             (readme.parent / PLOTS).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(results / result.plot, readme.parent / PLOTS / f"{result.scenario}.png")
             plotted.append(result.scenario)
-    body = section_text(found, plotted)
+    body = section_text(found, plotted, shown(SECTION.search(text).group(2)))
     readme.write_text(SECTION.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1))

@@ -98,3 +98,24 @@ def test_profile_sums_functions_across_lines() -> None:
     })
     assert found.top(1, inclusive=False) == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
     assert found.top(5, inclusive=True, within="qosgate/") == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
+
+
+def test_readme_update_keeps_the_rows_of_scenarios_not_run_again(tmp_path: pathlib.Path) -> None:
+    results = tmp_path / "results"
+    _result().write(results)
+    target = tmp_path / "README.md"
+    target.write_text(
+        "<!-- section: performance -->\n"
+        "| scenario | figure | measured | aim | distance | reference | command |\n|---|---|---|---|---|---|---|\n"
+        "| overhead | CPU per request | 80 us | <= 100 us | met (+20 us) | nginx 50 us | `python -m bench overhead` |\n"
+        "| quota | admitted rate off the limit | 9.9% | <= 2.0% | MISSED (-7.9%) | x | `python -m bench quota` |\n"
+        "\nRuns: overhead 2025-12-01 10:00 UTC, quota 2025-12-01 11:00 UTC.\n\n![overhead](docs/bench/overhead.png)\n"
+        "<!-- /section: performance -->\nnotes\n")
+    readme.update(target, results)
+    text = target.read_text()
+    assert "| overhead | CPU per request | 80 us |" in text  # no result this time: as it was
+    assert "9.9%" not in text and "| quota | admitted rate off the limit | 3.5% |" in text
+    assert "Runs: overhead 2025-12-01 10:00 UTC, quota 2026-01-01 00:00 UTC." in text
+    assert "![overhead](docs/bench/overhead.png)" in text
+    assert text.index("| overhead |") < text.index("| quota |")
+    assert text.endswith("<!-- /section: performance -->\nnotes\n")
