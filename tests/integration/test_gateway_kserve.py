@@ -1,11 +1,13 @@
 """The gateway as a KServe v2 drop-in on real Triton: tritonclient with only URL + header changed.
 
-Also: no key means UNAUTHENTICATED on every inference RPC; a tenant sees only its models;
+Also: system shared memory, registered by an admin, used by a tenant's inference; no key
+means UNAUTHENTICATED on every inference RPC; a tenant sees only its models;
 admin-only RPCs are refused to other tenants; health, reflection and metrics answer.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import urllib.request
 
@@ -13,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.utils.shared_memory as shm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -230,6 +233,36 @@ def test_admin_only_rpcs(client) -> None:
     admin = bearer(ADMIN_KEY)
     assert client.get_system_shared_memory_status(headers=admin) is not None
     assert client.get_log_settings(headers=admin) is not None
+
+
+def test_system_shared_memory_inputs_and_outputs(client) -> None:
+    """tritonclient's system shared memory path through the gateway: the admin registers
+    two regions, a tenant's inference names them, Triton reads the input from one and
+    writes the output into the other (the response carries no tensor bytes)."""
+    require_model("identity")
+    admin = bearer(ADMIN_KEY)
+    data = np.array([[1.0, 2.5, -3.0, 4.0]], dtype=np.float32)
+    size = data.nbytes
+    names = {"in": f"qosgate-in-{os.getpid()}", "out": f"qosgate-out-{os.getpid()}"}
+    regions = {side: shm.create_shared_memory_region(name, f"/{name}", size) for side, name in names.items()}
+    try:
+        shm.set_shared_memory_region(regions["in"], [data])
+        for name in names.values():
+            client.register_system_shared_memory(name, f"/{name}", size, headers=admin)
+        tensor = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+        tensor.set_shared_memory(names["in"], size)
+        output = grpcclient.InferRequestedOutput("OUTPUT0")
+        output.set_shared_memory(names["out"], size)
+        result = client.infer("identity", [tensor], outputs=[output], headers=bearer(ACME_KEY))
+        assert not any(result.get_response().raw_output_contents)  # the tensor is in the region
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(regions["out"], np.float32, list(data.shape)), data)
+        registered = client.get_system_shared_memory_status(headers=admin, as_json=True)["regions"]
+        assert set(names.values()) <= set(registered)
+    finally:
+        for name in names.values():
+            client.unregister_system_shared_memory(name, headers=admin)
+        for region in regions.values():
+            shm.destroy_shared_memory_region(region)
 
 
 def test_upstream_errors_pass_through_with_their_code(client) -> None:
