@@ -100,7 +100,8 @@ def shown(section: str) -> dict[str, Shown]:
 
 def update(readme: pathlib.Path = README, results: pathlib.Path = report.RESULTS_DIR) -> None:
     text = readme.read_text()
-    if not SECTION.search(text):
+    section = SECTION.search(text)
+    if section is None:
         raise RuntimeError(f"{readme} has no <!-- section: performance --> ... <!-- /section: performance --> block")
     found = report.load_results(results)
     plotted = []
@@ -109,5 +110,5 @@ def update(readme: pathlib.Path = README, results: pathlib.Path = report.RESULTS
             (readme.parent / PLOTS).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(results / result.plot, readme.parent / PLOTS / f"{result.scenario}.png")
             plotted.append(result.scenario)
-    body = section_text(found, plotted, shown(SECTION.search(text).group(2)))
+    body = section_text(found, plotted, shown(section.group(2)))
     readme.write_text(SECTION.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1))
