@@ -15,7 +15,7 @@ else's work.
 
 The model is model_repository/identity as shipped: priority levels and queue bounds, with
 two instances, which is what keeps Triton 2.51's batcher from stalling ~500 ms on a
-missed wake-up (see the README's embedding section).
+missed wake-up (see docs/local-stack.md, "Known issue").
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None
                    concurrency: int, settings: perf.PerfSettings, *, notes: list[str],
                    streaming: bool = False) -> Sample:
     """One point; measured once more after a Triton that died under it (tritonserver 2.51
-    crashes now and then under `--streaming`, README) was started again, said in `notes`."""
+    crashes now and then under `--streaming`, docs/dev/performance-history.md) was started again, said in `notes`."""
     try:
         return _measure_target(stack, target, url, hop, concurrency, settings, streaming=streaming)
     except perf.PerfAnalyzerFailed:

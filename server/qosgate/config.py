@@ -322,7 +322,7 @@ class SchedulerConfig(_Frozen):
 
 
 class RoutingConfig(_Frozen):
-    """How one model's calls are spread over the upstreams (README: "Routing")."""
+    """How one model's calls are spread over the upstreams (docs/scale-out.md, "Routing")."""
 
     policy: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     """`least_loaded`: the upstream with the fewest calls in flight.
@@ -339,7 +339,7 @@ class RoutingConfig(_Frozen):
     next upstream on the key's ring. 1: strict balance, larger: more affinity. The
     default, 2, lets the replica owning a larger share of the keys keep them (on two
     replicas it never spills); a tighter bound spills calls to replicas whose caches
-    lack their prefix (README: "Routing across replicas")."""
+    lack their prefix (docs/scale-out.md, "Routing across replicas")."""
     max_engine_waiting: int | None = Field(default=None, ge=0)
     """An upstream whose engine has more requests waiting than this for the model (read
     from its `metrics_url`) is saturated and passed over; unset: engine queues ignored."""
@@ -605,7 +605,7 @@ class TracingConfig(_Frozen):
 
 
 class GatewayConfig(_Frozen):
-    """The whole gateway configuration (see README, section `config`)."""
+    """The whole gateway configuration (docs/configuration.md)."""
 
     listen: str = "127.0.0.1:50051"
     """gRPC listen address of the gateway."""

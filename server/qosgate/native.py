@@ -6,7 +6,7 @@ details a refusal is answered with. mypyc compiles
 them from their typed Python source (no other source exists) into extension modules next
 to it, which Python imports in preference to the `.py` files; the work per call is the
 same, its interpreter overhead is not (about a fifth less CPU per forwarded call, see
-README "Performance").
+docs/performance.md).
 
 Compiled code checks its annotations at run time: a value of another type than annotated
 raises TypeError where interpreted code would carry on. And it does not await inside a

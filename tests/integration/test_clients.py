@@ -94,7 +94,7 @@ def test_node_client_suite_streams_through_the_gateway(gateway: GatewayThread) -
     require_model("smollm2")
     require_model("minilm")  # the openai package's embeddings
     node = shutil.which("node")
-    assert node is not None, "node is not on PATH: install Node.js 20 (README, Requirements)"
+    assert node is not None, "node is not on PATH: install Node.js 20 (docs/development.md)"
     for package in ("@grpc/grpc-js", "openai"):
         assert (NODE_CLIENT / "node_modules" / package).is_dir(), "Node client packages missing: run `make node-deps`"
     env = {
@@ -123,7 +123,7 @@ def test_node_grpc_js_streams_kserve_through_the_gateway(gateway: GatewayThread,
     the one for a model that does not exist fails in the stream, which goes on to OK."""
     require_model("identity")
     node = shutil.which("node")
-    assert node is not None, "node is not on PATH: install Node.js 20 (README, Requirements)"
+    assert node is not None, "node is not on PATH: install Node.js 20 (docs/development.md)"
     descriptors = descriptor_pb2.FileDescriptorSet()
     for module in (model_config_pb2, service_pb2):  # dependencies first
         module.DESCRIPTOR.CopyToProto(descriptors.file.add())

@@ -12,6 +12,8 @@ from qosgate.auth import TenantDirectory
 from qosgate.cli import main
 from qosgate.config import (
     ApiKeyConfig,
+    BatchConfig,
+    BatchTenantLimits,
     ClientCertConfig,
     ConfigError,
     GatewayConfig,
@@ -215,12 +217,14 @@ def test_check_config_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == f"{bad}: tenants[1].limits.burst: Input should be greater than or equal to 1\n"
 
 
-def test_readme_documents_every_config_key() -> None:
-    readme = (paths.project_root() / "README.md").read_text()
-    section = readme.split("<!-- section: config -->")[1].split("<!-- /section: config -->")[0]
-    documented = set(re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE))
+def test_configuration_reference_documents_every_config_key() -> None:
+    reference = (paths.project_root() / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"^\| `([^`]+)`", reference, flags=re.MULTILINE))
     models: list[type[BaseModel]] = [
         GatewayConfig,
+        BatchConfig,
+        BatchTenantLimits,
+        TracingConfig,
         UpstreamConfig,
         SchedulerConfig,
         ModelPolicy,
