@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from qosgate.config import GatewayConfig, LimitsConfig, TenantConfig
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
-_BEARER = "bearer "
+_BEARER = "bearer"
 # The headers a call may present its API key in.
 AUTHORIZATION, API_KEY = "authorization", "x-api-key"
 # Credentials one connection remembers (ConnectionCredentials): a caller uses one key or two.
@@ -213,19 +213,21 @@ class TenantDirectory:
 
 
 def _presented_key(metadata: Iterable[tuple[str, str | bytes]]) -> str:
-    """The one API key the call presents ("" when none); Unauthenticated when it presents
-    several or a malformed one. No message names a key."""
+    """The one API key the call presents ("" when none, or only empty ones); Unauthenticated
+    when it presents several or a malformed one. Values are read trimmed, as gRPC servers
+    read them. No message names a key."""
     presented = [(name, value) for name, value in metadata if name in (AUTHORIZATION, API_KEY)]
     if len({name for name, _ in presented}) < len(presented):
         raise Unauthenticated("more than one credential header: send one API key, once")
     keys = set()
     for name, value in presented:
         # Only `-bin` keys carry bytes; these two never do.
-        text = value if isinstance(value, str) else ""
-        if name == AUTHORIZATION:
-            if text[: len(_BEARER)].lower() != _BEARER:
+        text = value.strip() if isinstance(value, str) else ""
+        if name == AUTHORIZATION and text:
+            scheme, *rest = text.split(None, 1)
+            text = rest[0] if rest else ""
+            if scheme.lower() != _BEARER:
                 raise Unauthenticated("the authorization header must be 'Bearer <key>'")
-            text = text[len(_BEARER) :]
         keys.add(text.strip())
     if len(keys) > 1:
         raise Unauthenticated("authorization and x-api-key name different keys: send one")

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 
 from conftest import require_model
 from gateway_harness import ACME_KEY, GLOBEX_KEY, GatewayThread, gateway_config, identity_request
-from qosgate.v1 import batch_pb2, embedding_pb2
+from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -257,3 +257,68 @@ def test_one_key_in_both_headers_is_served(channel: grpc.Channel) -> None:
     infer = channel.unary_unary(KSERVE + "ModelInfer", request_serializer=service_pb2.ModelInferRequest.SerializeToString)
     metadata = [("authorization", f"Bearer {ACME_KEY}"), ("x-api-key", ACME_KEY)]
     assert code_of(infer, identity_request(), metadata=metadata) == grpc.StatusCode.OK
+
+
+# Every RPC the gateway serves, whatever serves it (the relay or its gRPC server).
+EVERY_RPC = [
+    method
+    for module, service in (
+        (service_pb2, "GRPCInferenceService"),
+        (generation_pb2, "GenerationService"),
+        (embedding_pb2, "EmbeddingService"),
+        (admin_pb2, "AdminService"),
+        (batch_pb2, "BatchService"),
+    )
+    for method in module.DESCRIPTOR.services_by_name[service].methods
+]
+# Credentials that present no key: empty, or only the padding around one.
+EMPTY_CREDENTIALS = [
+    [("authorization", "Bearer ")],
+    [("authorization", "  Bearer   ")],
+    [("authorization", "")],
+    [("x-api-key", "")],
+    [("x-api-key", "   ")],
+    [("authorization", f"Bearer {ACME_KEY}"), ("x-api-key", "")],
+    [("x-api-key", " "), ("authorization", f"Bearer {ACME_KEY}")],
+]
+
+
+def call_code(channel: grpc.Channel, method, raw: bytes, metadata: list[tuple[str, str]]) -> grpc.StatusCode:
+    """The status of one call of `method` carrying `raw` (streams: one message), whatever its shape."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    if method.client_streaming and method.server_streaming:
+        call = channel.stream_stream(path)
+        return code_of(lambda **k: list(call(iter([raw]), **k)), metadata=metadata)
+    if method.client_streaming:
+        return code_of(channel.stream_unary(path), iter([raw]), metadata=metadata)
+    if method.server_streaming:
+        call = channel.unary_stream(path)
+        return code_of(lambda **k: list(call(raw, **k)), metadata=metadata)
+    return code_of(channel.unary_unary(path), raw, metadata=metadata)
+
+
+@pytest.mark.parametrize("method", EVERY_RPC, ids=lambda m: m.full_name)
+def test_empty_credentials_are_unauthenticated_on_every_rpc(
+    channel: grpc.Channel, method, tracebacks: list[logging.LogRecord]
+) -> None:
+    # Never a stream reset (INTERNAL to the caller), whatever the padding: a gRPC server
+    # trims header values, and an empty key is no key.
+    for metadata in EMPTY_CREDENTIALS:
+        assert call_code(channel, method, b"", metadata) == grpc.StatusCode.UNAUTHENTICATED, metadata
+
+
+def test_header_values_are_read_trimmed(channel: grpc.Channel, tracebacks: list[logging.LogRecord]) -> None:
+    require_model("identity")
+    padded = [("authorization", f"  Bearer {ACME_KEY}  "), ("x-priority", "  critical ")]
+    infer = channel.unary_unary(KSERVE + "ModelInfer", request_serializer=service_pb2.ModelInferRequest.SerializeToString)
+    assert code_of(infer, identity_request(), metadata=padded) == grpc.StatusCode.OK
+    live = channel.unary_unary(KSERVE + "ServerLive", request_serializer=service_pb2.ServerLiveRequest.SerializeToString)
+    assert code_of(live, service_pb2.ServerLiveRequest(), metadata=[("x-api-key", f" {ACME_KEY} ")]) == grpc.StatusCode.OK
+    stream = channel.stream_stream(
+        KSERVE + "ModelStreamInfer", response_deserializer=service_pb2.ModelStreamInferResponse.FromString
+    )
+    answers = list(stream(iter([identity_request("padded").SerializeToString()]), metadata=padded, timeout=30))
+    assert [a.infer_response.id for a in answers if not a.error_message] == ["padded"], answers
+    # globex may not use critical: its padded class is read, and refused as itself.
+    refused = [("authorization", f"Bearer {GLOBEX_KEY}"), ("x-priority", " critical")]
+    assert code_of(infer, identity_request(), metadata=refused) == grpc.StatusCode.PERMISSION_DENIED

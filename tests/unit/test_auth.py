@@ -44,6 +44,8 @@ def directory() -> TenantDirectory:
         ([("authorization", "Bearer acme-1")], "acme"),
         ([("authorization", "bearer acme-2")], "acme"),
         ([("authorization", "BEARER   acme-2  ")], "acme"),
+        ([("authorization", "  Bearer acme-2 ")], "acme"),
+        ([("x-api-key", " globex-1\t")], "globex"),
         ([("x-api-key", "globex-1")], "globex"),
         ([("x-api-key", "ops-1"), ("other", "x"), ("other", "y")], "ops"),
         # Both headers naming the same key present one key.
@@ -59,6 +61,10 @@ def test_identify(directory: TenantDirectory, metadata: list[tuple[str, str]], t
     [
         ([], "missing API key"),
         ([("authorization", "Bearer ")], "missing API key"),
+        ([("authorization", "  Bearer  ")], "missing API key"),
+        ([("authorization", "")], "missing API key"),
+        ([("x-api-key", "   ")], "missing API key"),
+        ([("authorization", "Bearer acme-1"), ("x-api-key", " ")], "different keys"),
         ([("authorization", "Basic YWNtZS0xOg==")], "must be 'Bearer <key>'"),
         ([("authorization", "acme-1")], "must be 'Bearer <key>'"),
         ([("authorization", "Bearer nope")], "invalid API key"),

@@ -45,3 +45,21 @@ def test_sends_on_a_stream_the_caller_reset_send_nothing() -> None:
     server.send_response(later, [(b":status", b"200")], end_stream=True)
     client.receive_data(server.outgoing())
     assert [e.stream_id for e in client.events() if isinstance(e, ngh2.ResponseReceived)] == [later]
+
+
+def test_header_values_with_surrounding_whitespace_are_taken_and_trimmed() -> None:
+    """RFC 9113 has libnghttp2 reset such a stream; gRPC servers take the value trimmed,
+    and so does the relay (the ngh2 build of scripts/build_ngh2.py)."""
+    client = ngh2.Connection(ngh2.Role.CLIENT, ngh2.Configuration())
+    client.initiate_connection({})
+    server = http2.Http2Connection(server=True, max_concurrent_streams=100)
+    _exchange(client, server)
+    padded = [(b"authorization", b"Bearer "), (b"x-priority", b"  batch\t"), (b"te", b"trailers")]
+    stream = client.send_request([*HEADERS, *padded], end_stream=True)
+    received = [e for e in _exchange(client, server) if isinstance(e, http2.RequestReceived)]
+    assert [e.stream_id for e in received] == [stream]
+    assert not [e for e in client.events() if isinstance(e, ngh2.StreamReset)]
+    headers = http2.trimmed(received[0].headers)
+    assert headers[-3:] == [(b"authorization", b"Bearer"), (b"x-priority", b"batch"), (b"te", b"trailers")]
+    # Nothing to trim: the same headers, not a copy.
+    assert http2.trimmed(HEADERS) is HEADERS

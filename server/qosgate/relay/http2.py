@@ -21,11 +21,16 @@ relay's tests check through real peers:
   gets GOAWAY from nghttp2 itself, not an error here (see RESET_BURST).
 - The connection window is a separate setting (`set_local_window_size`, stream 0) from
   SETTINGS_INITIAL_WINDOW_SIZE, which only covers streams.
+- A header value with leading or trailing whitespace is taken, not answered with a stream
+  reset as RFC 9113 has libnghttp2 do by default: gRPC servers trim such a value, and
+  clients send them (`authorization: Bearer ` with an empty key). ngh2 exposes that option
+  only in the build `scripts/build_ngh2.py` makes (`make venv` installs it); `trimmed`
+  trims the values of a caller's request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import ngh2
 from ngh2 import (
@@ -58,6 +63,7 @@ __all__ = [
     "TrailersReceived",
     "WindowUpdated",
     "header",
+    "trimmed",
 ]
 
 Header = tuple[bytes, bytes]
@@ -80,6 +86,18 @@ MAX_FRAME_SIZE = 1 << 16
 # could serve in a second.
 RESET_BURST = 10_000
 RESET_RATE = 10_000
+_WHITESPACE = b" \t"
+if "leading_and_trailing_ws_validation" not in ngh2.Configuration.__dataclass_fields__:
+    raise ImportError(f"ngh2 {ngh2.__version__} is not the build the relay needs: `make venv` makes it")
+
+
+def trimmed(headers: Sequence[Header]) -> Sequence[Header]:
+    """`headers` with the spaces and tabs around each value removed, as gRPC servers read
+    them; `headers` itself when no value has any (the usual case: no copy)."""
+    for _, value in headers:
+        if value.strip(_WHITESPACE) is not value:  # bytes.strip returns itself unchanged
+            return [(name, value.strip(_WHITESPACE)) for name, value in headers]
+    return headers
 
 
 def header(headers: Iterable[Header], name: bytes) -> bytes | None:
@@ -97,7 +115,11 @@ class Http2Connection:
 
     def __init__(self, *, server: bool, max_concurrent_streams: int) -> None:
         role = ngh2.Role.SERVER if server else ngh2.Role.CLIENT
-        config = ngh2.Configuration(auto_window_update=False, stream_reset_rate_limit=(RESET_BURST, RESET_RATE))
+        config = ngh2.Configuration(
+            auto_window_update=False,
+            stream_reset_rate_limit=(RESET_BURST, RESET_RATE),
+            leading_and_trailing_ws_validation=False,
+        )
         self._conn = ngh2.Connection(role, config)
         self._conn.initiate_connection(
             {

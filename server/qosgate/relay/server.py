@@ -505,14 +505,15 @@ class DownstreamConnection(Peer):
                     self.relay.loop.call_soon(self._resume)
                     return
                 started += 1
-                route = self.relay.route_of(http2.header(event.headers, b":path") or b"")
+                headers = http2.trimmed(event.headers)
+                route = self.relay.route_of(http2.header(headers, b":path") or b"")
                 if isinstance(route, Served):
-                    served = ServerStream(self, event.stream_id, event.headers, route.handler)
+                    served = ServerStream(self, event.stream_id, headers, route.handler)
                     calls[event.stream_id] = served
                     if event.end_stream:
                         served.client_data(b"", True)
                 else:
-                    call = Call(self, event.stream_id, event.headers)
+                    call = Call(self, event.stream_id, headers)
                     calls[event.stream_id] = call
                     call.start(route, event.end_stream)
             elif isinstance(event, http2.StreamClosed):
