@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import require_model
-from google.protobuf import descriptor_pb2
 from gateway_harness import ACME_KEY, GatewayThread, gateway_config
 from qosgate import paths
 from qosgate.launcher import LocalTriton
-from tritonclient.grpc import model_config_pb2, service_pb2
+from scripts.protocol_descriptors import KSERVE, descriptor_set
 
 pytestmark = pytest.mark.integration
 
@@ -124,10 +123,7 @@ def test_node_grpc_js_streams_kserve_through_the_gateway(gateway: GatewayThread,
     require_model("identity")
     node = shutil.which("node")
     assert node is not None, "node is not on PATH: install Node.js 20 (docs/development.md)"
-    descriptors = descriptor_pb2.FileDescriptorSet()
-    for module in (model_config_pb2, service_pb2):  # dependencies first
-        module.DESCRIPTOR.CopyToProto(descriptors.file.add())
-    (tmp_path / "kserve.desc").write_bytes(descriptors.SerializeToString())
+    (tmp_path / "kserve.desc").write_bytes(descriptor_set(KSERVE).SerializeToString())
     count = 40
     done = subprocess.run(
         [node, str(Path(__file__).parent / "node" / "kserve_stream.js"), str(tmp_path / "kserve.desc"),
