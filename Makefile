@@ -1,6 +1,7 @@
 # qosgate: two commands on a fresh machine.
 #   make run    set up what running needs (idempotent), then run local Triton + the gateway
-#   make test   set up what the tests need too (system packages, perf_analyzer, npm), then test
+#   make test   set up what the tests need too (system packages, perf_analyzer, npm, the
+#               generated Go client), then test
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -15,14 +16,24 @@ NATIVE_SOURCES := $(shell sed -n 's|^    "\(.*\.py\)",$$|server/qosgate/\1|p' se
 MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
+PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
+# The Go client (clients/go/README.md), built from protos/ and from CLIENT_DESCRIPTORS
+# (KServe v2 and google.rpc, written from Python modules).
+CLIENT_DESCRIPTORS := .cache/clients/descriptors.pb
+GO_CLIENT := .cache/clients/go/bin/qosgate-example
 
 # Debian packages, installed by scripts/system_deps.sh when missing (as root), or named in
 # one command to run (otherwise). Running needs none; perf_analyzer's own (libb64) is
 # installed by its target below.
-TEST_SYSTEM_DEPS := redis-server postgresql
+# The clients' toolchains: Go in GOPATH mode on Debian's golang-* sources; protoc and the
+# gRPC plugins (no other registry needed).
+CLIENT_SYSTEM_DEPS := protobuf-compiler \
+  golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev \
+  golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev
+TEST_SYSTEM_DEPS := redis-server postgresql $(CLIENT_SYSTEM_DEPS)
 BENCH_SYSTEM_DEPS := nginx-light
 
-.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench lint-protos typecheck run test test-unit bench bench-quick clean
+.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go lint-protos typecheck run test test-unit bench bench-quick clean
 
 # What `make run` needs. Test and bench tools (perf_analyzer, Redis, nginx, npm packages)
 # are set up by `make test` / `make bench` only, so a failure there never stops a run.
@@ -49,7 +60,7 @@ $(NGH2): $(STAMP) scripts/build_ngh2.py
 
 protos: $(GEN)
 
-$(GEN): $(STAMP) $(shell find protos -name '*.proto' 2>/dev/null) scripts/gen_protos.py
+$(GEN): $(STAMP) $(PROTO_FILES) scripts/gen_protos.py
 	$(PY) scripts/gen_protos.py
 
 # The per-call modules compiled to C by mypyc (see server/qosgate/native.py); gcc builds
@@ -81,6 +92,20 @@ system-deps-test:
 system-deps-bench:
 	@scripts/system_deps.sh $(BENCH_SYSTEM_DEPS)
 
+system-deps-clients:
+	@scripts/system_deps.sh $(CLIENT_SYSTEM_DEPS)
+
+# The generated clients; each rebuilds only when its sources, protos/ or the descriptor
+# set changed (Go's own cache sits under .cache/clients too).
+clients: clients-go
+clients-go: $(GO_CLIENT)
+
+$(CLIENT_DESCRIPTORS): $(STAMP) scripts/protocol_descriptors.py
+	$(PY) scripts/protocol_descriptors.py $@
+
+$(GO_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) clients/go/build.sh $(shell find clients/go -name '*.go') | system-deps-clients
+	clients/go/build.sh $(CLIENT_DESCRIPTORS) .cache/clients/go
+
 # The Node client's packages and buf (the protos linter) come from npm, exactly as the
 # committed lock file pins them (`npm ci` never rewrites it); node_modules is git-ignored.
 node-deps: $(NODE_DEPS)
@@ -99,7 +124,7 @@ typecheck: $(STAMP) $(GEN)
 run: setup
 	$(VENV)/bin/qosgate up
 
-test: setup system-deps-test tools node-deps lint-protos typecheck
+test: setup system-deps-test tools node-deps clients lint-protos typecheck
 	$(PY) -m pytest -q
 
 test-unit: venv protos native system-deps-test
