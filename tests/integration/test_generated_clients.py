@@ -1,4 +1,4 @@
-"""The generated clients (clients/go) against the real stack: Triton with smollm2,
+"""The generated clients (clients/go, clients/java) against the real stack: Triton with smollm2,
 minilm and identity, the gateway in-process.
 
 Each language's README.md is the source of what runs here, so that it cannot drift: its
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = paths.project_root()
 BUILDS = paths.cache_dir() / "clients"
-LANGUAGES = ("go",)
+LANGUAGES = ("go", "java")
 COMMANDS = ("generate", "stream", "embed", "batch", "infer")
 # A tenant per language whose first call spends its burst: the next is refused and told
 # to wait up to 1 / QUOTA_RATE seconds, long enough that a JVM's start does not outlast it.
