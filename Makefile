@@ -1,7 +1,7 @@
 # qosgate: two commands on a fresh machine.
 #   make run    set up what running needs (idempotent), then run local Triton + the gateway
 #   make test   set up what the tests need too (system packages, perf_analyzer, npm, the
-#               generated Go and Java clients), then test
+#               generated Go, Java and C++ clients), then test
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -17,27 +17,29 @@ MODELS := .cache/models/.prepared
 NODE_DEPS := clients/node/node_modules/.installed
 PERF_ANALYZER := .cache/tools/perf_analyzer
 PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
-# The Go and Java clients (clients/*/README.md), built from protos/ and from
+# The Go, Java and C++ clients (clients/*/README.md), built from protos/ and from
 # CLIENT_DESCRIPTORS (KServe v2 and google.rpc, written from Python modules).
 CLIENT_DESCRIPTORS := .cache/clients/descriptors.pb
 GO_CLIENT := .cache/clients/go/bin/qosgate-example
 JAVA_CLIENT := .cache/clients/java/qosgate-example.jar
+CPP_CLIENT := .cache/clients/cpp/build/qosgate-example
 
 # Debian packages, installed by scripts/system_deps.sh when missing (as root), or named in
 # one command to run (otherwise). Running needs none; perf_analyzer's own (libb64) is
 # installed by its target below.
 # The clients' toolchains: Go in GOPATH mode on Debian's golang-* sources, Java on Debian's
-# jars; protoc and the gRPC plugins for each (no other registry needed).
+# jars, C++ on libgrpc++; protoc and the gRPC plugins for each (no other registry needed).
 CLIENT_SYSTEM_DEPS := protobuf-compiler \
   golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev \
   golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev \
   openjdk-17-jdk-headless protobuf-compiler-grpc-java-plugin libgrpc-java libprotobuf-java \
   libgoogle-common-protos-java libguava-java libgoogle-gson-java libperfmark-java libnetty-java \
-  libnetty-tcnative-java libnetty-tcnative-jni libgeronimo-annotation-1.3-spec-java
+  libnetty-tcnative-java libnetty-tcnative-jni libgeronimo-annotation-1.3-spec-java \
+  protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev g++ cmake pkg-config
 TEST_SYSTEM_DEPS := redis-server postgresql $(CLIENT_SYSTEM_DEPS)
 BENCH_SYSTEM_DEPS := nginx-light
 
-.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go clients-java lint-protos typecheck run test test-unit bench bench-quick clean
+.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go clients-java clients-cpp lint-protos typecheck run test test-unit bench bench-quick clean
 
 # What `make run` needs. Test and bench tools (perf_analyzer, Redis, nginx, npm packages)
 # are set up by `make test` / `make bench` only, so a failure there never stops a run.
@@ -100,10 +102,11 @@ system-deps-clients:
 	@scripts/system_deps.sh $(CLIENT_SYSTEM_DEPS)
 
 # The generated clients; each rebuilds only when its sources, protos/ or the descriptor
-# set changed (Go's own cache sits under .cache/clients too).
-clients: clients-go clients-java
+# set changed (Go's and CMake's own caches sit under .cache/clients too).
+clients: clients-go clients-java clients-cpp
 clients-go: $(GO_CLIENT)
 clients-java: $(JAVA_CLIENT)
+clients-cpp: $(CPP_CLIENT)
 
 $(CLIENT_DESCRIPTORS): $(STAMP) scripts/protocol_descriptors.py
 	$(PY) scripts/protocol_descriptors.py $@
@@ -113,6 +116,11 @@ $(GO_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) clients/go/build.sh $(shell f
 
 $(JAVA_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) clients/java/build.sh $(shell find clients/java -name '*.java') | system-deps-clients
 	clients/java/build.sh $(CLIENT_DESCRIPTORS) .cache/clients/java
+
+$(CPP_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) $(shell find clients/cpp -name '*.cc' -o -name '*.h' -o -name CMakeLists.txt) | system-deps-clients
+	cmake -S clients/cpp -B .cache/clients/cpp/build -DQOSGATE_DESCRIPTORS=$(abspath $(CLIENT_DESCRIPTORS))
+	cmake --build .cache/clients/cpp/build -j 2
+	touch $@
 
 # The Node client's packages and buf (the protos linter) come from npm, exactly as the
 # committed lock file pins them (`npm ci` never rewrites it); node_modules is git-ignored.

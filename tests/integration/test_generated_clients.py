@@ -1,5 +1,5 @@
-"""The generated clients (clients/go, clients/java) against the real stack: Triton with smollm2,
-minilm and identity, the gateway in-process.
+"""The Go, Java and C++ clients (clients/go, clients/java, clients/cpp) against the real
+stack: Triton with smollm2, minilm and identity, the gateway in-process.
 
 Each language's README.md is the source of what runs here, so that it cannot drift: its
 build block (`make clients-<language>`), each line of its example block (checked by what
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = paths.project_root()
 BUILDS = paths.cache_dir() / "clients"
-LANGUAGES = ("go", "java")
+LANGUAGES = ("go", "java", "cpp")
 COMMANDS = ("generate", "stream", "embed", "batch", "infer")
 # A tenant per language whose first call spends its burst: the next is refused and told
 # to wait up to 1 / QUOTA_RATE seconds, long enough that a JVM's start does not outlast it.
