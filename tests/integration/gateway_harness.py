@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pathlib
 import signal
@@ -84,6 +85,25 @@ def gateway_config(upstream_url: str, **overrides: Any) -> GatewayConfig:
     }
     raw.update(overrides)
     return parse_config(raw, source="<test config>")
+
+
+class TracebackCollector(logging.Handler):
+    """Collects the gateway's log records that carry a traceback (it runs in this process).
+
+    Only the loggers named by `prefixes` count, by default the gateway's own and grpc's (a
+    servicer's unhandled error): in a full test run, grpc.aio's shared poller may still
+    report to an event loop that an earlier test module closed, logged under `asyncio`,
+    which says nothing of the gateway.
+    """
+
+    def __init__(self, prefixes: tuple[str, ...] = ("qosgate", "grpc")) -> None:
+        super().__init__(logging.WARNING)
+        self.prefixes = prefixes
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(self.prefixes) and (record.exc_info or record.exc_text):
+            self.records.append(record)
 
 
 class GatewayThread:

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from conftest import require_model
-from gateway_harness import GatewayThread, gateway_config, identity_request
+from gateway_harness import GatewayThread, TracebackCollector, gateway_config, identity_request
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
 pytestmark = pytest.mark.integration
@@ -231,24 +231,7 @@ def requests_of(method: MethodDescriptor) -> st.SearchStrategy[bytes]:
     return st.one_of(st.binary(max_size=64), _mutated(seeds), hostile)
 
 
-class _Tracebacks(logging.Handler):
-    """Collects the gateway's log records that carry a traceback (it runs in this process).
-
-    Only the gateway's own loggers and grpc's (a servicer's unhandled error) count: in a
-    full test run, grpc.aio's shared poller may still report to an event loop that an
-    earlier test module closed, logged under `asyncio`, which says nothing of the gateway.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith(("qosgate", "grpc")) and (record.exc_info or record.exc_text):
-            self.records.append(record)
-
-
-TRACEBACKS = _Tracebacks()
+TRACEBACKS = TracebackCollector()
 
 
 def batches_of(method: MethodDescriptor) -> st.SearchStrategy[list[bytes]]:

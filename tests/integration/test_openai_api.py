@@ -161,9 +161,18 @@ def test_errors_map_to_openai_statuses(gateway: GatewayThread) -> None:
         client(gateway).chat.completions.create(**chat, service_tier="scale")  # type: ignore[call-overload]
     with pytest.raises(openai.PermissionDeniedError, match="may not use class 'critical'"):
         client(gateway, EMBED_ONLY_KEY).embeddings.create(model="minilm", input="x", extra_headers={"x-priority": "critical"})
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(gateway).chat.completions.create(**{**chat, "max_tokens": 10**12})  # type: ignore[call-overload]
+    # An embedding of the LLM (Triton: UNIMPLEMENTED for a decoupled model) is the caller's mistake.
+    with pytest.raises(openai.BadRequestError, match="Triton"):
+        client(gateway).embeddings.create(model="smollm2", input="x")
     raw = httpx.post(f"{gateway.openai_url}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {USER_KEY}"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
-    assert httpx.get(f"{gateway.openai_url}/nothing-here").status_code == 404
+    # The caller is identified before anything of its request is read.
+    raw = httpx.post(f"{gateway.openai_url}/chat/completions", content=b"{not json", headers={"authorization": "Bearer nope"})
+    assert raw.status_code == 401 and raw.json()["error"]["code"] == "unauthenticated"
+    assert httpx.get(f"{gateway.openai_url}/nothing-here").status_code == 401
+    assert httpx.get(f"{gateway.openai_url}/nothing-here", headers={"authorization": f"Bearer {USER_KEY}"}).status_code == 404
 
 
 def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out(gateway: GatewayThread) -> None:

@@ -12,6 +12,7 @@ stream does; a streaming response also notices at its next write.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,7 +20,12 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+from http import HTTPStatus
+
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from qosgate import errors
 from qosgate.auth import Tenant, TenantDirectory
@@ -43,6 +49,7 @@ MAX_PAGE_SIZE = 100
 SHUTDOWN_GRACE_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_TENANT = web.RequestKey("tenant", Tenant)  # the caller, in each request's state
 
 
 class OpenAIServer:
@@ -65,6 +72,7 @@ class OpenAIServer:
         self._pool = pool
         self._batches = batches
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self.port: int | None = None
 
     def app(self) -> web.Application:
@@ -89,20 +97,29 @@ class OpenAIServer:
     async def start(self) -> None:
         """Bind `config.listen` (port 0 picks a free one: see `.port`)."""
         host, _, port = self._config.listen.rpartition(":")
-        runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
-        )
+        runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
-        site = web.TCPSite(runner, host.strip("[]"), int(port))
+        server, loop = runner.server, asyncio.get_running_loop()
+        assert server is not None  # set up above
         try:
-            await site.start()
+            # Connections are served by `_RequestHandler` (aiohttp's own sites would use
+            # aiohttp's plain-text answers to what its parser refuses).
+            self._listener = await loop.create_server(
+                # No access log (aiohttp takes None for off; its stubs say Logger).
+                lambda: _RequestHandler(server, loop=loop, access_log=None),  # type: ignore[arg-type]
+                host.strip("[]"),
+                int(port),
+            )
         except OSError:
             await runner.cleanup()
             raise
         self._runner = runner
-        self.port = runner.addresses[0][1]
+        self.port = int(self._listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -111,7 +128,11 @@ class OpenAIServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every route: the caller identified before anything of the request is read (a
+        caller without a valid key learns nothing but 401), and every failure answered
+        with an OpenAI error object by the one error table."""
         try:
+            request[_TENANT] = self._directory.identify(_metadata(request))
             return await handler(request)
         except ConnectionResetError:
             raise  # the client went away mid-response: aiohttp drops it quietly
@@ -119,19 +140,14 @@ class OpenAIServer:
             if e.status < 400:
                 raise
             # aiohttp's own refusals (no such route, wrong method, body too large).
-            body = {"error": {"message": e.reason, "type": "invalid_request_error", "param": None, "code": None}}
-            return web.json_response(body, status=e.status)
+            return _error_response(e.status, e.reason)
         except Exception as e:  # domain errors by the table; anything else INTERNAL
-            response = http_error(e, self._known_tenant(request) if isinstance(e, errors.QuotaExceeded) else None)
+            response = http_error(e, request.get(_TENANT) if isinstance(e, errors.QuotaExceeded) else None)
             return web.json_response(response.body, status=response.status, headers=response.headers)
 
-    def _known_tenant(self, request: web.Request) -> Tenant | None:
-        with contextlib.suppress(errors.GatewayError):
-            return self._directory.identify(_metadata(request))
-        return None
-
     def _tenant(self, request: web.Request) -> Tenant:
-        return self._directory.identify(_metadata(request))
+        tenant: Tenant = request[_TENANT]
+        return tenant
 
     def _priority(self, request: web.Request, service_tier: str | None) -> str:
         """The class asked for: `x-priority`, else the configured class of `service_tier`;
@@ -151,10 +167,7 @@ class OpenAIServer:
         raw = await request.read()
         if len(raw) > self._config.max_body_bytes:
             raise errors.InvalidArgument(f"request body is larger than {self._config.max_body_bytes} bytes")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise errors.InvalidArgument(f"request body is not JSON: {e}") from None
+        return wire.loads(raw)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -270,27 +283,32 @@ class OpenAIServer:
         return web.json_response(self._batches.upload(tenant, purpose=purpose, filename=filename, content=content))
 
     async def _multipart_file(self, request: web.Request) -> tuple[str, str, bytes]:
-        if not request.content_type.startswith("multipart/"):
+        if not request.content_type.startswith("multipart/form-data"):
             raise errors.InvalidArgument("upload the file as multipart/form-data (fields 'file' and 'purpose')")
         purpose: str | None = None
         filename = ""
         content: bytes | None = None
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                raise errors.InvalidArgument("nested multipart bodies are not supported")
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                filename = part.filename or "upload.jsonl"
-                chunks = bytearray()
-                while chunk := await part.read_chunk():
-                    chunks += chunk
-                    if len(chunks) > self._config.max_file_bytes:
-                        raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
-                content = bytes(chunks)
-            else:
-                await part.release()
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise errors.InvalidArgument("nested multipart bodies are not supported")
+                if part.name == "purpose":
+                    purpose = (await part.read(decode=True)).decode().strip()
+                elif part.name == "file":
+                    filename = part.filename or "upload.jsonl"
+                    chunks = bytearray()
+                    while chunk := await part.read_chunk():
+                        chunks += chunk
+                        if len(chunks) > self._config.max_file_bytes:
+                            raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
+                    content = bytes(chunks)
+                else:
+                    await part.release()
+        except (ValueError, LookupError, AssertionError, BadHttpMessage) as e:
+            # aiohttp's multipart reader raises these on bytes that are no multipart body
+            # (no boundary, a broken one, a body cut short, an unknown charset).
+            raise errors.InvalidArgument(f"malformed multipart body: {e}") from None
         if purpose is None or content is None:
             raise errors.InvalidArgument("multipart fields 'file' and 'purpose' are required")
         return purpose, filename, content
@@ -333,6 +351,30 @@ class _StreamFailed(Exception):
         super().__init__(error.message)
         self.error = error
         self.response = response
+
+
+def _error_response(status: int, message: str) -> web.Response:
+    """An OpenAI error object for a refusal that is no domain error (aiohttp's own)."""
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}, status=status
+    )
+
+
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering a request its HTTP parser refused (a header
+    over the size limit, a malformed request line) with an OpenAI error object instead of
+    plain text, and logging it only at debug level: anyone can send such requests, and
+    they must not fill the log."""
+
+    def handle_error(
+        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if status < 500:
+            self.logger.debug("refused a request from %s: %s", request.remote, exc)
+            response = _error_response(status, message or HTTPStatus(status).phrase)
+            response.force_close()
+            return response
+        return super().handle_error(request, status, exc, message)
 
 
 def _metadata(request: web.Request) -> list[tuple[str, str]]:

@@ -13,6 +13,8 @@ never silently means something other than what the caller asked.
 from __future__ import annotations
 
 import base64
+import json
+import re
 import struct
 import time
 from typing import Any, Literal, TypeVar
@@ -26,6 +28,8 @@ from qosgate.dataplane.generation import Finished
 from qosgate.v1 import embedding_pb2, generation_pb2
 
 MAX_STOP = 4
+# The widest value the qosgate.v1 fields these become take (max_tokens, top_k: uint32).
+_UINT32 = 2**32 - 1
 
 _ROLES = {
     "system": generation_pb2.ROLE_SYSTEM,
@@ -86,12 +90,12 @@ class _Sampling(_Body):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=_UINT32)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     # Not OpenAI's, but vLLM's OpenAI server takes it too.
-    top_k: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=1, le=_UINT32)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     n: Literal[1] | None = None
     presence_penalty: Literal[0] | None = None
@@ -130,7 +134,7 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_UINT32)
     logprobs: Literal[False] | None = None
     top_logprobs: None = None
     parallel_tool_calls: bool | None = None
@@ -182,13 +186,49 @@ class EmbeddingRequest(_Body):
     model: str
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=_UINT32)
     user: str | None = None
     service_tier: str | None = None
 
     def embed_request(self) -> embedding_pb2.EmbedRequest:
         inputs = [self.input] if isinstance(self.input, str) else self.input
         return embedding_pb2.EmbedRequest(model=self.model, inputs=inputs)
+
+
+# A JSON escape of a UTF-16 surrogate: a pair stands for one character, one alone for none.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def loads(raw: bytes) -> Any:
+    """A request body's JSON; InvalidArgument for bytes that are not JSON a request can
+    carry: not UTF-8, nested past the parser's depth, an integer of thousands of digits,
+    or a string holding an unpaired surrogate (which no text encoding can write)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise errors.InvalidArgument("request body is not JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError among them
+        raise errors.InvalidArgument(f"request body is not JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(raw) is not None and _has_lone_surrogate(body):
+        raise errors.InvalidArgument("request body is not JSON text: a string holds an unpaired surrogate")
+    return body
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    pending = [value]  # a stack, not recursion: the body may nest as deep as JSON allows
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def parse(body_type: type[_BodyT], raw: Any) -> _BodyT:

@@ -22,6 +22,8 @@ from qosgate.upstream.pool import Upstream, UpstreamPool
 # Upstream gRPC codes that are the caller's to fix or retry; anything else is INTERNAL.
 _UPSTREAM_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    # The model cannot serve this API (ModelInfer on a decoupled LLM, say): the caller's choice.
+    grpc.StatusCode.UNIMPLEMENTED: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.CANCELLED: errors.Cancelled,
