@@ -10,7 +10,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 NGH2 := $(VENV)/.ngh2-built
 GEN := server/qosgate/v1/.built
-NATIVE := server/qosgate/.native-built
+NATIVE := server/qosgate/native.sha256
 # The modules scripts/build_native.py compiles: qosgate.native.MODULES.
 NATIVE_SOURCES := $(shell sed -n 's|^    "\(.*\.py\)",$$|server/qosgate/\1|p' server/qosgate/native.py)
 MODELS := .cache/models/.prepared
@@ -39,7 +39,7 @@ CLIENT_SYSTEM_DEPS := protobuf-compiler \
 TEST_SYSTEM_DEPS := redis-server postgresql $(CLIENT_SYSTEM_DEPS)
 BENCH_SYSTEM_DEPS := nginx-light
 
-.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go clients-java clients-cpp lint-protos typecheck run test test-unit bench bench-quick clean
+.PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go clients-java clients-cpp lint-protos typecheck run triton test test-unit bench bench-quick clean
 
 # What `make run` needs. Test and bench tools (perf_analyzer, Redis, nginx, npm packages)
 # are set up by `make test` / `make bench` only, so a failure there never stops a run.
@@ -139,6 +139,11 @@ typecheck: $(STAMP) $(GEN)
 
 run: setup
 	$(VENV)/bin/qosgate up
+
+# Only the local tritonserver, on 127.0.0.1:8001 (gRPC) and 8002 (metrics): a Triton for
+# the README's quickstart to put an installed gateway in front of.
+triton: setup
+	$(VENV)/bin/qosgate triton
 
 test: setup system-deps-test tools node-deps clients lint-protos typecheck
 	$(PY) -m pytest -q

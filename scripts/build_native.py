@@ -1,9 +1,10 @@
 """Compile the gateway's per-call modules with mypyc (run by `make native`).
 
 The list is `qosgate.native.MODULES`; the extension modules land next to their source
-(git ignores them) with the mypyc runtime in one shared library, `qosgate/_native__mypyc`.
-Each build starts from scratch: the old extension modules are removed first, so a module
-taken off the list runs interpreted again.
+(git ignores them) with the mypyc runtime in one shared library, `qosgate/_native__mypyc`,
+and `qosgate/native.sha256` records the SHA-256 of each source as compiled (importing
+qosgate compares it with the source it finds). Each build starts from scratch: the old
+extension modules are removed first, so a module taken off the list runs interpreted again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server"
 PACKAGE = SERVER / "qosgate"
 BUILD = ROOT / ".cache" / "native-build"
-STAMP = PACKAGE / ".native-built"
 
 
 def main() -> int:
@@ -29,7 +29,10 @@ def main() -> int:
     native = runpy.run_path(str(PACKAGE / "native.py"))
     for old in PACKAGE.rglob("*.so"):
         old.unlink()
-    STAMP.unlink(missing_ok=True)
+    record = PACKAGE / native["RECORD"]
+    record.unlink(missing_ok=True)
+    # Read before compiling: a module edited meanwhile then shows as stale, not as built.
+    digests = {name: native["source_digest"](PACKAGE / name) for name in native["MODULES"]}
     shutil.rmtree(BUILD, ignore_errors=True)
     BUILD.mkdir(parents=True)
     sources = [str(pathlib.Path("qosgate") / name) for name in native["MODULES"]]
@@ -50,7 +53,7 @@ def main() -> int:
     if missing:
         print(f"mypyc built no extension module for {', '.join(missing)}", file=sys.stderr)
         return 1
-    STAMP.touch()
+    record.write_text("".join(f"{digest}  {name}\n" for name, digest in digests.items()))
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from qosgate.launcher import LocalTriton, TritonPorts
+from qosgate.launcher import LOCAL_MODELS, LocalTriton, TritonPorts
 
 from tests.postgres_server import PostgresServer
 
@@ -41,7 +41,7 @@ def _parse_alone(*args: Any, **kwargs: Any) -> Any:
 
 ast.parse = _parse_alone  # type: ignore[assignment]
 
-DEFAULT_TEST_MODELS = "smollm2,smollm2_trtllm,minilm,identity"
+DEFAULT_TEST_MODELS = ",".join(LOCAL_MODELS)
 
 
 # Ports for the servers tests start come from below the kernel's ephemeral range: a port

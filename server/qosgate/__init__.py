@@ -6,6 +6,6 @@ __version__ = "0.1.0"
 
 if _stale := native.stale():
     raise ImportError(
-        f"qosgate's compiled modules are older than their source ({', '.join(_stale)}): "
+        f"qosgate's compiled modules were built from other source than theirs now ({', '.join(_stale)}): "
         "run `make native` to compile them again"
     )

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+import qosgate
+
 
 def _prepare_models(args: argparse.Namespace) -> int:
     from qosgate import weights
@@ -27,9 +29,19 @@ def _up(args: argparse.Namespace) -> int:
     from qosgate.config import load_config
 
     path = args.config or paths.project_root() / "config" / "demo.yaml"
-    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    app.up(load_config(path), models=models, path=path)
+    app.up(load_config(path), models=_models(args.models), path=path)
     return 0
+
+
+def _triton(args: argparse.Namespace) -> int:
+    from qosgate import app
+
+    app.triton(models=_models(args.models))
+    return 0
+
+
+def _models(names: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in names.split(",") if m.strip())
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -45,7 +57,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qosgate.launcher import LOCAL_MODELS
+
+    local_models = ",".join(LOCAL_MODELS)
     parser = argparse.ArgumentParser(prog="qosgate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"qosgate {qosgate.__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -67,12 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a local tritonserver and the gateway together (Ctrl-C stops both; SIGHUP reloads tenants)",
     )
     up.add_argument("--config", help="gateway YAML config (default: config/demo.yaml)")
-    up.add_argument(
-        "--models",
-        default="smollm2,smollm2_trtllm,minilm,identity",
-        help="comma-separated models Triton loads",
-    )
+    up.add_argument("--models", default=local_models, help="comma-separated models Triton loads")
     up.set_defaults(func=_up)
+
+    triton = sub.add_parser(
+        "triton",
+        help="run only the local tritonserver, on 127.0.0.1:8001 (gRPC), 8000 (HTTP) and 8002 "
+        "(metrics), until Ctrl-C: a Triton to put `qosgate serve` in front of",
+    )
+    triton.add_argument("--models", default=local_models, help="comma-separated models Triton loads")
+    triton.set_defaults(func=_triton)
 
     check = sub.add_parser(
         "check-config", help="validate a gateway config; on error print FILE: key.path: reason"
@@ -91,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from qosgate.config import ConfigError
+    from qosgate.launcher import TritonStartError
 
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:  # serve/up with a bad config: the message, not a traceback
+    except (ConfigError, TritonStartError) as e:  # a bad config, no local Triton: the message
         print(e, file=sys.stderr)
         return 2

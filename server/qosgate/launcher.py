@@ -27,6 +27,9 @@ from qosgate import paths
 
 log = logging.getLogger(__name__)
 
+# The models the local CPU stack serves (`qosgate up`, `qosgate triton`).
+LOCAL_MODELS = ("smollm2", "smollm2_trtllm", "minilm", "identity")
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -55,7 +58,8 @@ def _pytriton_dirs() -> tuple[pathlib.Path, pathlib.Path]:
         import pytriton  # the wheel's Python package; we use only its bundled server
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise TritonStartError(
-            "nvidia-pytriton is not installed; run `make setup` (it ships tritonserver)"
+            "nvidia-pytriton is not installed: the local tritonserver comes with the `[local]` "
+            "extra (`make setup` installs it in a checkout)"
         ) from exc
     site = pathlib.Path(pytriton.__file__).resolve().parent.parent
     return site / "pytriton" / "tritonserver", site / "nvidia_pytriton.libs"

@@ -12,13 +12,17 @@ Compiled code checks its annotations at run time: a value of another type than a
 raises TypeError where interpreted code would carry on. And it does not await inside a
 `finally` block: mypyc 2.4 re-raised an exception being handled after such an await.
 
-A compiled module older than its source would run old code, so importing `qosgate` fails
-with the command to run (`stale()`). Without the compiled modules (an install that skipped
-`make native`) the same source runs interpreted, and `qosgate serve` says so at start.
+A compiled module built from other source than the one beside it would run old code, so
+importing `qosgate` fails with the command to run (`stale()`). The build records the
+SHA-256 of each module's source in `native.sha256` (sha256sum's format) and the check
+compares contents, not file times, which an install or a checkout does not keep. Without
+the compiled modules (an install that skipped `make native`) the same source runs
+interpreted, and `qosgate serve` says so at start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import pathlib
 
@@ -56,6 +60,8 @@ MODULES = (
     "services/status.py",
 )
 GROUP = "qosgate._native"
+# The SHA-256 of each module's source as compiled, written by scripts/build_native.py.
+RECORD = "native.sha256"
 
 
 def built(source: pathlib.Path) -> list[pathlib.Path]:
@@ -70,12 +76,25 @@ def compiled(package: pathlib.Path = PACKAGE) -> bool:
     return all(built(package / name) for name in MODULES)
 
 
+def source_digest(source: pathlib.Path) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def recorded(package: pathlib.Path = PACKAGE) -> dict[str, str]:
+    """Module (path relative to the package) -> the SHA-256 its extension module was built
+    from; empty when nothing was recorded."""
+    try:
+        lines = (package / RECORD).read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {name: digest for digest, _, name in (line.partition("  ") for line in lines) if name}
+
+
 def stale(package: pathlib.Path = PACKAGE) -> list[str]:
-    """Modules whose extension module is older than their source."""
-    out = []
-    for name in MODULES:
-        source = package / name
-        mtime = source.stat().st_mtime
-        if any(ext.stat().st_mtime < mtime for ext in built(source)):
-            out.append(name)
-    return out
+    """Modules whose extension module was built from other source than theirs now."""
+    record = recorded(package)
+    return [
+        name
+        for name in MODULES
+        if built(package / name) and record.get(name) != source_digest(package / name)
+    ]

@@ -1,5 +1,6 @@
 """The per-call modules run compiled (what `make native` builds is what the tests run), and
-a compiled module older than its source is found, so importing qosgate refuses to run it."""
+a compiled module built from other source than its own now is found, by content, so
+importing qosgate refuses to run it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import importlib.machinery
 import os
 import pathlib
+import shutil
 
 from qosgate import native
 
@@ -21,15 +23,17 @@ def test_every_listed_module_is_imported_compiled() -> None:
 
 
 def _package(tmp_path: pathlib.Path, *, built: bool) -> pathlib.Path:
+    """A package of the listed modules; `built`: each with an extension module, recorded
+    as built from the source it has."""
     for name in native.MODULES:
         source = tmp_path / name
         source.parent.mkdir(parents=True, exist_ok=True)
-        source.write_text("")
-        os.utime(source, (1_000, 1_000))
+        source.write_text(f"# {name}\n")
         if built:
-            extension = source.with_name(source.stem + SUFFIX)
-            extension.write_bytes(b"")
-            os.utime(extension, (2_000, 2_000))
+            source.with_name(source.stem + SUFFIX).write_bytes(b"")
+    if built:
+        record = "".join(f"{native.source_digest(tmp_path / n)}  {n}\n" for n in native.MODULES)
+        (tmp_path / native.RECORD).write_text(record)
     return tmp_path
 
 
@@ -37,8 +41,27 @@ def test_a_module_edited_after_its_build_is_stale(tmp_path: pathlib.Path) -> Non
     package = _package(tmp_path, built=True)
     assert native.compiled(package) and native.stale(package) == []
     edited = native.MODULES[3]
-    os.utime(package / edited, (3_000, 3_000))
+    with (package / edited).open("a") as source:
+        source.write("x = 1\n")
     assert native.stale(package) == [edited]
+
+
+def test_file_times_do_not_matter_only_content(tmp_path: pathlib.Path) -> None:
+    """An install (or a checkout) gives every file a new time: a source newer than its
+    extension module, with the content it was built from, is not stale."""
+    package = _package(tmp_path, built=True)
+    for name in native.MODULES:
+        os.utime(package / name, (3_000, 3_000))
+        os.utime((package / name).with_name((package / name).stem + SUFFIX), (1_000, 1_000))
+    installed = tmp_path.parent / "installed"
+    shutil.copytree(package, installed)  # new times again, same content
+    assert native.stale(package) == [] and native.stale(installed) == []
+
+
+def test_extension_modules_without_a_record_are_stale(tmp_path: pathlib.Path) -> None:
+    package = _package(tmp_path, built=True)
+    (package / native.RECORD).unlink()
+    assert native.stale(package) == list(native.MODULES)
 
 
 def test_source_without_extension_modules_runs_interpreted_and_is_not_stale(
