@@ -7,13 +7,16 @@ and the reason, one line each, in the manner of envoyproxy/ratelimit.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
 import os
+import pathlib
 import re
 import ssl
+import types
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
@@ -26,6 +29,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from qosgate import paths
 
 DEFAULT_CLASSES = ("critical", "interactive", "standard", "batch")
 
@@ -439,7 +444,7 @@ class BatchConfig(_Frozen):
 
     db: str | None = None
     """SQLite file of jobs, items and results (`job_store.backend: sqlite`); relative
-    paths are relative to the working directory; default `<project>/.cache/batch.sqlite3`."""
+    paths are relative to the working directory; default `<state_dir>/batch.sqlite3`."""
     priority_class: str | None = None
     """Class that batch items are scheduled at; default: the lowest class, so every other
     class wins the dispatch windows."""
@@ -578,8 +583,10 @@ class OpenAIConfig(_Frozen):
     `auto` and `default` mean the tenant's default class unless mapped here; any other
     unmapped tier is refused 400. An `x-priority` header wins over `service_tier`."""
     files_db: str | None = None
-    """SQLite file of uploaded batch input files; relative paths are relative to the
-    working directory; default `<project>/.cache/openai_files.sqlite3`."""
+    """SQLite file of uploaded batch input files and the OpenAI fields of batches
+    (`job_store.backend: sqlite`; with `postgres` they live in the shared database);
+    relative paths are relative to the working directory; default
+    `<state_dir>/openai_files.sqlite3`."""
     max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest batch input file accepted by `POST /v1/files`."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
@@ -628,9 +635,15 @@ class GatewayConfig(_Frozen):
     """Policy of models not listed in `models`."""
     tenants: list[TenantConfig] = Field(default_factory=list)
     """Who may call the gateway."""
+    state_dir: str | None = None
+    """Directory of the gateway's own files: every SQLite file whose key is unset
+    (`usage_db`, `batch.db`, `openai.files_db`) and the private socket of its in-process
+    gRPC server. Relative paths are relative to the working directory; default: the
+    checkout's `.cache/` when run from a checkout, else `$XDG_DATA_HOME/qosgate`
+    (`~/.local/share/qosgate`)."""
     usage_db: str | None = None
     """SQLite file of the token usage ledger (daily budgets, GetUsage); relative paths are
-    relative to the working directory; default `<project>/.cache/usage.sqlite3`."""
+    relative to the working directory; default `<state_dir>/usage.sqlite3`."""
     batch: BatchConfig = Field(default_factory=BatchConfig)
     """Batch jobs."""
     quota_store: QuotaStoreConfig = Field(default_factory=QuotaStoreConfig)
@@ -804,6 +817,10 @@ class GatewayConfig(_Frozen):
             if key != "tenants" and getattr(self, key) != getattr(other, key)
         ]
 
+    def state_directory(self) -> pathlib.Path:
+        """`state_dir`, or its default (see the field)."""
+        return pathlib.Path(self.state_dir) if self.state_dir else paths.default_state_dir()
+
     def summary(self) -> str:
         admins = sum(t.admin for t in self.tenants)
         return (
@@ -859,5 +876,40 @@ def _reason(err: Any) -> str:
     problem = err.get("ctx", {}).get("error")
     if isinstance(problem, _FieldProblem):
         return problem.reason
+    if err["type"] == "extra_forbidden":
+        return _unknown_key(err["loc"])
     message = str(err["msg"])
     return message.removeprefix("Value error, ")
+
+
+def _unknown_key(loc: tuple[str | int, ...]) -> str:
+    """What to say of the unknown key at `loc`: the known key it likely meant, else the
+    keys that are known there."""
+    known = sorted(_model_at(loc[:-1]).model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key (did you mean {close[0]!r}?)"
+    return f"unknown key (known here: {', '.join(known)})"
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel]:
+    """The config model that holds the keys at `loc` (a path pydantic reported)."""
+    kind: Any = GatewayConfig
+    for part in loc:
+        kind = _the_model(kind) or kind
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            kind = kind.model_fields[str(part)].annotation
+        else:  # a list's index or a dict's key: on to the element's type
+            kind = get_args(kind)[-1]
+    model = _the_model(kind)
+    assert model is not None, loc
+    return model
+
+
+def _the_model(kind: Any) -> type[BaseModel] | None:
+    """`kind` if it is a config model, or the model in a union such as `TlsConfig | None`."""
+    union = get_origin(kind) in (Union, types.UnionType)
+    for candidate in (kind, *get_args(kind)) if union else (kind,):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None

@@ -110,20 +110,11 @@ class GatewayThread:
     """A started Gateway whose event loop runs in a daemon thread."""
 
     def __init__(self, config: GatewayConfig, *, health_check_interval_s: float = 0.2) -> None:
-        # SQLite state (usage ledger, batch jobs) the test did not place goes to a private
+        # State (SQLite files, the private socket) the test did not place goes to a private
         # directory: never the shared .cache, which parallel test runs would share.
         self._state = tempfile.TemporaryDirectory(prefix="qosgate-gateway-")
-        state = pathlib.Path(self._state.name)
-        if config.usage_db is None:
-            config = config.model_copy(update={"usage_db": str(state / "usage.sqlite3")})
-        if config.batch.db is None:
-            config = config.model_copy(
-                update={"batch": config.batch.model_copy(update={"db": str(state / "batch.sqlite3")})}
-            )
-        if config.openai.files_db is None:
-            config = config.model_copy(
-                update={"openai": config.openai.model_copy(update={"files_db": str(state / "openai_files.sqlite3")})}
-            )
+        if config.state_dir is None:
+            config = config.model_copy(update={"state_dir": self._state.name})
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)
         self.gateway = Gateway(config, health_check_interval_s=health_check_interval_s)
@@ -186,10 +177,12 @@ class GatewayProcess:
     @contextlib.contextmanager
     def running(cls, config: dict[str, Any], directory: pathlib.Path) -> Iterator[GatewayProcess]:
         """Write `config` to DIRECTORY/gateway.yaml, start it there, stop it on the way out.
-        A config without an `openai` section gets one on a free port with its files in
-        DIRECTORY, so no test takes the default port 8080 or the shared .cache."""
+        A config without a `state_dir` keeps its state in DIRECTORY, and one without an
+        `openai` section serves it on a free port: no test takes the shared .cache or the
+        default port 8080."""
+        config = {"state_dir": str(directory), **config}
         if "openai" not in config:
-            config = {**config, "openai": {"listen": "127.0.0.1:0", "files_db": str(directory / "openai_files.sqlite3")}}
+            config = {**config, "openai": {"listen": "127.0.0.1:0"}}
         path = directory / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         process = cls(path, directory / "gateway.log").start()

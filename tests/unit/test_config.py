@@ -76,7 +76,12 @@ EXPECTED_ERRORS = {
         "scheduler.sheddable_classes[1]: the highest class 'critical' is never sheddable"
     ),
     "unknown_class": f"tenants[0].max_class: unknown class 'gold' {CLASSES}",
-    "unknown_key": "tenant: Extra inputs are not permitted",
+    "unknown_key": "tenant: unknown key (did you mean 'tenants'?)",
+    "unknown_nested_key": "models.smollm2.dispatch_windw: unknown key (did you mean 'dispatch_window'?)",
+    "unknown_key_no_match": (
+        "quota_store.flavour: unknown key (known here: backend, key_prefix, lease_s, "
+        "on_error, password_env, redis_url, timeout_s)"
+    ),
     "weight_not_positive": "tenants[0].weight: Input should be greater than 0",
     "yaml_syntax": "line 4, column 1: invalid YAML: expected ',' or ']', but got '<stream end>'",
 }

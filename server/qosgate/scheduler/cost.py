@@ -1,4 +1,4 @@
-"""What a request costs in the fair share between tenants (see README, "Cost model").
+"""What a request costs in the fair share between tenants (see docs/configuration.md, "Cost model").
 
 LLM requests cost weighted tokens, as in VTC: prompt + w x output, w = the scheduler's
 `output_token_weight`; at admission the output is max_tokens, at finish what the engine
