@@ -17,10 +17,11 @@ import contextlib
 import gc
 import logging
 import os
+import pathlib
 import signal
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +31,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from qosgate import native, paths
+from qosgate import native
 from qosgate.auth import TenantDirectory
 from qosgate.clock import Clock, MonotonicClock
 from qosgate.config import ConfigError, GatewayConfig, ResourceLimits, UpstreamConfig, load_config
@@ -44,11 +45,12 @@ from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
-from qosgate.launcher import LocalTriton, TritonPorts
+from qosgate.launcher import LOCAL_MODELS, LocalTriton, TritonPorts
 from qosgate.memory import HeapTrimmer
-from qosgate.metrics import GatewayMetrics, MetricsEndpoint
+from qosgate.metrics import GatewayMetrics
+from qosgate.metrics_http import MetricsServer
 from qosgate.openai_api.batches import OpenAIBatches
-from qosgate.openai_api.files import FileStore
+from qosgate.openai_api.files import FileStore, PostgresFileStore, SqliteFileStore
 from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
@@ -69,13 +71,12 @@ from qosgate.upstream.engine import PoolEngineInfer, PoolEngineStreams
 from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
 from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
-from qosgate.tls import client_context, server_context
+from qosgate.tls import HTTP1_ALPN, client_context, server_context
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
 log = logging.getLogger(__name__)
 
-LOCAL_MODELS = ("smollm2", "smollm2_trtllm", "minilm", "identity")
 
 
 def _server_options(limits: ResourceLimits) -> tuple[tuple[str, int], ...]:
@@ -94,6 +95,10 @@ def _server_options(limits: ResourceLimits) -> tuple[tuple[str, int], ...]:
 # (minilm's critical p99 grew to 7 s under the 4x flood at 1,000). grpcio set none.
 # The bytes those waiting calls hold are bounded by `limits.connection_pending_bytes`.
 _CALLS_PER_CONNECTION = 1 << 16
+
+
+# The longest path a unix socket may have (sockaddr_un.sun_path, less its NUL).
+_MAX_UNIX_PATH = 107
 
 
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:
@@ -140,7 +145,8 @@ class Gateway:
         self.admission = Admission(quota_store, self.clock)
         self.streams = StreamLimiter(config.limits.max_streams_per_tenant)
         self.heap = HeapTrimmer()
-        self.ledger = UsageLedger(config.usage_db or paths.cache_dir() / "usage.sqlite3", wall_time=time.time)
+        self.state_dir = config.state_directory()
+        self.ledger = UsageLedger(config.usage_db or self.state_dir / "usage.sqlite3", wall_time=time.time)
         # With Redis, budgets and GetUsage count the day's usage of every gateway.
         self.usage = UsageMeter(self.ledger, wall_time=time.time, shared=self._shared_quota)
         self.tracing = Tracing.from_config(config.tracing)
@@ -157,7 +163,7 @@ class Gateway:
         )
         self.generation = GenerationPlane(config=config, plane=self.dataplane, engine=PoolEngineStreams(self.pool))
         self.embedding = EmbeddingPlane(config=config, plane=self.dataplane, engine=PoolEngineInfer(self.pool))
-        self.jobs = self._job_store(config)
+        self.jobs = self._job_store(config, self.state_dir)
         self.batch_runner = JobRunner(
             self.jobs,
             PlaneItemExecutor(self.generation, self.embedding),
@@ -173,21 +179,28 @@ class Gateway:
                 max_delay_s=config.batch.retry_max_delay_s,
             ),
         )
-        self.openai_files = FileStore(
-            config.openai.files_db or paths.cache_dir() / "openai_files.sqlite3", wall_time=time.time
+        # Beside the job store: in its PostgreSQL database when that is shared, so a file
+        # uploaded through one replica is there for the others.
+        self.openai_files: FileStore = (
+            PostgresFileStore(self.jobs, wall_time=time.time)
+            if isinstance(self.jobs, PostgresJobStore)
+            else SqliteFileStore(config.openai.files_db or self.state_dir / "openai_files.sqlite3", wall_time=time.time)
         )
         self.openai: OpenAIServer | None = None
         self._batch_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self._serve_metrics = serve_metrics
-        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._metrics_endpoint: MetricsServer | None = None
+        # What /readyz says (read from the metrics thread): gRPC health's SERVING.
+        self._ready = False
+        self._stopping = False
         self._server: grpc.aio.Server | None = None
         self._relay: Relay | None = None
         self._grpcio_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port: int | None = None
 
     @staticmethod
-    def _job_store(config: GatewayConfig) -> JobStore:
+    def _job_store(config: GatewayConfig, state_dir: pathlib.Path) -> JobStore:
         """PostgreSQL when several gateway replicas must serve the same batch jobs."""
         settings = config.job_store
         if settings.backend == "postgres":
@@ -199,7 +212,7 @@ class Gateway:
                 timeout_s=settings.timeout_s,
                 lease_s=settings.lease_s,
             )
-        path = config.batch.db or paths.cache_dir() / "batch.sqlite3"
+        path = config.batch.db or state_dir / "batch.sqlite3"
         return SqliteJobStore(path, wall_time=time.time, lease_s=settings.lease_s)
 
     @property
@@ -214,6 +227,7 @@ class Gateway:
     async def start(self) -> None:
         """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
         await self.jobs.open()
+        await self.openai_files.open()
         kserve = KServeService(directory=self.directory, pool=self.pool)
         server = grpc.aio.server(options=_server_options(self.config.limits))
         # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
@@ -244,9 +258,15 @@ class Gateway:
         )
         tls = self.config.tls
         # The relay owns `listen` and hands every call it does not serve itself to this
-        # server, which only it can reach (a directory of this process's user only).
-        self._grpcio_dir = tempfile.TemporaryDirectory(prefix="qosgate-grpcio-")
-        grpcio_address = f"unix:{self._grpcio_dir.name}/grpcio.sock"
+        # server, which only it can reach (a directory of this process's user only, in the
+        # state directory: the one place the gateway writes).
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._grpcio_dir = tempfile.TemporaryDirectory(prefix="grpcio-", dir=self.state_dir)
+        socket_path = f"{self._grpcio_dir.name}/grpcio.sock"
+        if len(os.fsencode(socket_path)) > _MAX_UNIX_PATH:
+            raise OSError(f"state_dir {self.state_dir} is too long for its unix socket ({socket_path}): "
+                          f"at most {_MAX_UNIX_PATH} bytes")
+        grpcio_address = f"unix:{socket_path}"
         if server.add_insecure_port(grpcio_address) == 0:
             raise OSError(f"cannot listen on {grpcio_address}")
 
@@ -259,7 +279,7 @@ class Gateway:
             self.scheduler.snapshot, lambda: ((u.name, u.live) for u in self.pool.upstreams)
         )
         if self._serve_metrics:
-            self._metrics_endpoint = self.metrics.serve(self.config.metrics_listen)
+            self._metrics_endpoint = MetricsServer(self.config.metrics_listen, self.metrics.registry, lambda: self._ready)
         # Bound before gRPC serves: once health answers SERVING, the HTTP API is up too.
         if self.config.openai.enabled:
             self.openai = OpenAIServer(
@@ -276,6 +296,7 @@ class Gateway:
                     config=self.config.batch,
                     max_file_bytes=self.config.openai.max_file_bytes,
                 ),
+                tls=server_context(tls, HTTP1_ALPN) if tls is not None else None,
             )
             await self.openai.start()
         await server.start()
@@ -284,7 +305,7 @@ class Gateway:
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
-            "qosgate listening on %s (port %d, %s), OpenAI API on %s, metrics on %s; %s",
+            "qosgate listening on %s (port %d, %s), OpenAI API on %s, metrics and health on %s; %s",
             self.config.listen,
             self.port,
             "plaintext" if tls is None else "TLS" if tls.client_ca is None else "mutual TLS",
@@ -368,6 +389,7 @@ class Gateway:
     async def _publish_health(self, upstream_live: bool) -> None:
         """SERVING while at least one upstream is live. Not per model: a model loading or
         unloading leaves the gateway serving every other model (and that one's metadata)."""
+        self._ready = upstream_live and not self._stopping
         state = (
             health_pb2.HealthCheckResponse.SERVING if upstream_live else health_pb2.HealthCheckResponse.NOT_SERVING
         )
@@ -376,6 +398,8 @@ class Gateway:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Refuse new calls, give running ones `grace_s`, then close upstreams and metrics."""
+        self._stopping = True
+        self._ready = False
         await self.health.enter_graceful_shutdown()
         if self.openai is not None:
             await self.openai.stop()
@@ -398,7 +422,7 @@ class Gateway:
             await self._shared_quota.aclose()
         self.ledger.close()
         await self.jobs.close()
-        self.openai_files.close()
+        await self.openai_files.close()
         self.tracing.shutdown()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.stop()
@@ -463,18 +487,35 @@ def up(
     The gateway's upstreams are replaced by the local server. Triton is stopped on every
     way out, including a signal while it is still loading models.
     """
-
-    def interrupted(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    # Until the event loop takes the signals over, SIGTERM must unwind through
-    # LocalTriton's context manager instead of killing us with Triton left running.
-    previous = signal.signal(signal.SIGTERM, interrupted)
-    try:
+    with _stopped_by_sigterm():
         ports = TritonPorts()
         with LocalTriton(models=models, ports=ports):
             local_triton = UpstreamConfig(name="local", url=ports.grpc_url, metrics_url=ports.metrics_url)
             local = config.model_copy(update={"upstreams": [local_triton]})
             run(serve(local, path=path))
+
+
+def triton(*, models: tuple[str, ...] = LOCAL_MODELS) -> None:
+    """Run only the local tritonserver, on its default ports, until SIGINT/SIGTERM."""
+    with _stopped_by_sigterm():
+        ports = TritonPorts()
+        with LocalTriton(models=models, ports=ports):
+            log.info("tritonserver serving %s on %s (gRPC), metrics %s; Ctrl-C stops it",
+                     ", ".join(models), ports.grpc_url, ports.metrics_url)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM unwinds (SystemExit) instead of killing the process, so a LocalTriton's
+    context manager stops Triton's process group on that way out too."""
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)

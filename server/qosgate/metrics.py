@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway, served on their own HTTP port (default 127.0.0.1:9464).
+"""Prometheus metrics of the gateway, served on their own HTTP port (default 127.0.0.1:9464,
+`qosgate.metrics_http`).
 
 Counters and histograms keep their values in plain dicts keyed by label tuple, turned into
 metric families when Prometheus scrapes: every call updates several of them, and
@@ -19,11 +20,10 @@ callers cannot grow the label sets, and the memory they take, without bound.
 from __future__ import annotations
 
 import bisect
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -273,24 +273,3 @@ class GatewayMetrics:
 
     def failover(self, model: str, upstream: str, result: str) -> None:
         self._failovers.inc((self.model_label(model), upstream, result))
-
-    def serve(self, listen: str) -> MetricsEndpoint:
-        """Start the /metrics HTTP server on `host:port` (port 0: any free port)."""
-        host, _, port = listen.rpartition(":")
-        server, thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
-        return MetricsEndpoint(server, thread)
-
-
-class MetricsEndpoint:
-    """The running /metrics HTTP server."""
-
-    def __init__(self, server: Any, thread: threading.Thread) -> None:
-        self._server = server
-        # Not `_thread`: mypyc 2.4 names its C field `__thread`, a gcc keyword.
-        self._server_thread = thread
-        self.port: int = server.server_address[1]
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._server_thread.join(timeout=5)

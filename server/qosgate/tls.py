@@ -1,5 +1,5 @@
-"""TLS at the gateway's edges: the listener's context (the relay terminates TLS), the
-upstreams' (grpcio channels for health and the qosgate.v1 planes, the relay's HTTP/2
+"""TLS at the gateway's edges: the listeners' contexts (the relay terminates TLS for gRPC,
+aiohttp for the OpenAI API, with the same certificate and client CA), the upstreams' (grpcio channels for health and the qosgate.v1 planes, the relay's HTTP/2
 connections for KServe), and the caller's verified client certificate.
 
 The config has already checked that every file exists and parses (config.py); here the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import ssl
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import grpc
 
@@ -31,6 +31,8 @@ _CERT_SAN = PEER_HEADER_PREFIX + b"cert-san"
 # grpcio hands metadata keys over as text.
 _CERT_SHA256_KEY, _CERT_SAN_KEY = _CERT_SHA256.decode(), _CERT_SAN.decode()
 _ALPN = ["h2"]
+# The OpenAI API's listener speaks HTTP/1.1 (aiohttp).
+HTTP1_ALPN = ("http/1.1",)
 
 
 def _read(path: str) -> bytes:
@@ -38,13 +40,13 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def server_context(config: ListenerTlsConfig) -> ssl.SSLContext:
-    """The listener's TLS (HTTP/2 by ALPN): its certificate and key; with `client_ca`,
-    client certificates are required and verified against it."""
+def server_context(config: ListenerTlsConfig, alpn: Sequence[str] = _ALPN) -> ssl.SSLContext:
+    """A listener's TLS (HTTP/2 by ALPN unless `alpn` says): its certificate and key; with
+    `client_ca`, client certificates are required and verified against it."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(config.cert, config.key)
-    context.set_alpn_protocols(_ALPN)
+    context.set_alpn_protocols(list(alpn))
     if config.client_ca is not None:
         context.load_verify_locations(cafile=config.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED

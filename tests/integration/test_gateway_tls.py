@@ -1,7 +1,8 @@
 """TLS and mutual TLS with real certificates made at test time, through real channels:
 tritonclient (`ssl=True` and its certificate options), perf_analyzer (`--ssl-grpc-*`), the
-qosgate Python client and CLI, the Node client, and the gateway reaching a Triton that
-requires TLS.
+qosgate Python client and CLI, the Node client, the official openai SDK on the OpenAI
+listener (the same `tls:`), the plaintext health endpoints that probes read while the
+listeners speak TLS, and the gateway reaching a Triton that requires TLS.
 
 The PKI: one CA issues the gateway's server certificate (127.0.0.1/localhost) and the
 clients' certificates: acme's is mapped by its SAN, globex's by its SHA-256 fingerprint,
@@ -14,13 +15,17 @@ import dataclasses
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 from certificates import CertificateAuthority, Issued
@@ -238,6 +243,58 @@ def test_python_client_over_mtls_and_tls(mtls_gateway: GatewayThread, tls_gatewa
             client.usage()
     with Client(tls_gateway.url, GLOBEX_KEY, tls=TlsOptions(ca_file=str(pki.ca.cert))) as client:
         assert client.usage().tenant == "globex"
+
+
+def https_client(gateway: GatewayThread, pki: Pki, key: str, client: Issued | None = None) -> openai.OpenAI:
+    """The openai SDK over HTTPS, trusting the test CA (and presenting `client`'s certificate)."""
+    trust = ssl.create_default_context(cafile=str(pki.ca.cert))
+    if client is not None:
+        trust.load_cert_chain(str(client.cert), str(client.key))
+    return openai.OpenAI(
+        base_url=f"https://127.0.0.1:{gateway.gateway.http_port}/v1",
+        api_key=key,
+        http_client=httpx.Client(verify=trust),
+        max_retries=0,
+    )
+
+
+def test_openai_sdk_over_tls_on_the_openai_listener(tls_gateway: GatewayThread, pki: Pki) -> None:
+    require_model("minilm")
+    vectors = https_client(tls_gateway, pki, ACME_KEY).embeddings.create(model="minilm", input=["a cat", "a dog"])
+    assert [len(v.embedding) for v in vectors.data] == [384, 384]
+    with pytest.raises(openai.AuthenticationError):
+        https_client(tls_gateway, pki, "not-a-key").models.list()
+    plaintext = openai.OpenAI(base_url=f"http://127.0.0.1:{tls_gateway.gateway.http_port}/v1", api_key=ACME_KEY,
+                              max_retries=0)
+    with pytest.raises(openai.APIConnectionError):
+        plaintext.models.list()
+
+
+def test_openai_listener_over_mtls_identifies_by_certificate(mtls_gateway: GatewayThread, pki: Pki) -> None:
+    require_model("minilm")
+    # The SDK always sends a key; the certificate alone identifies over plain HTTPS.
+    trust = ssl.create_default_context(cafile=str(pki.ca.cert))
+    trust.load_cert_chain(str(pki.globex.cert), str(pki.globex.key))
+    url = f"https://127.0.0.1:{mtls_gateway.gateway.http_port}/v1/models"
+    assert {m["id"] for m in httpx.get(url, verify=trust).json()["data"]} == {"identity"}
+    assert https_client(mtls_gateway, pki, ACME_KEY, pki.acme).embeddings.create(model="minilm", input="x").data
+    stranger = ssl.create_default_context(cafile=str(pki.ca.cert))
+    stranger.load_cert_chain(str(pki.stranger.cert), str(pki.stranger.key))
+    assert httpx.get(url, verify=stranger).status_code == 401
+    with pytest.raises(httpx.HTTPError):  # no certificate: the handshake fails
+        httpx.get(url, verify=ssl.create_default_context(cafile=str(pki.ca.cert)))
+
+
+def test_probes_read_plaintext_health_while_the_listeners_speak_tls(
+    mtls_gateway: GatewayThread, tls_gateway: GatewayThread
+) -> None:
+    for gateway in (mtls_gateway, tls_gateway):
+        base = f"http://127.0.0.1:{gateway.gateway.metrics_port}"
+        for path, body in (("/healthz", b"ok\n"), ("/readyz", b"ready\n")):
+            with urllib.request.urlopen(base + path, timeout=5) as reply:
+                assert (reply.status, reply.read()) == (200, body)
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as reply:
+            assert b"qosgate_upstream_live" in reply.read()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

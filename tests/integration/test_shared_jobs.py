@@ -3,19 +3,24 @@ job store, in front of one real tritonserver (embedding items on minilm, fast he
 
 A job created on one gateway is read, listed, streamed and cancelled on the other; a
 gateway killed with SIGKILL while it runs a job's items leaves them to the other, which
-finishes the job with exactly one result per custom_id once their leases have run out.
+finishes the job with exactly one result per custom_id once their leases have run out; and
+the OpenAI Batch API, with the official SDK, works across the two: a file uploaded on one,
+the batch created on the other, its output read back on the first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import psycopg
 import pytest
+import yaml
 from conftest import free_port, require_model
 from gateway_harness import GatewayProcess
 from qosgate.launcher import LocalTriton
@@ -39,7 +44,7 @@ def gateway_config(directory: Path, triton: LocalTriton, store_url: str) -> dict
         "metrics_listen": "127.0.0.1:0",
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(directory / "usage.sqlite3"),
-        "openai": {"listen": "127.0.0.1:0", "files_db": str(directory / "openai_files.sqlite3")},
+        "openai": {"listen": f"127.0.0.1:{free_port()}"},
         "tenants": [
             {"name": "acme", "api_keys": [{"key": ACME_KEY}]},
             {"name": "globex", "api_keys": [{"key": GLOBEX_KEY}]},
@@ -183,3 +188,36 @@ def test_kill_9_of_a_gateway_running_items_leaves_the_job_to_the_other(
     assert orphaned, "the victim held no item when it was killed"
     attempts = {r.custom_id: r.attempts for r in results}
     assert all(attempts[custom_id] >= 2 for custom_id in orphaned), attempts
+
+
+def openai_client(gateway: GatewayProcess, key: str = ACME_KEY) -> openai.OpenAI:
+    listen = yaml.safe_load(gateway.config_path.read_text())["openai"]["listen"]
+    return openai.OpenAI(base_url=f"http://{listen}/v1", api_key=key, max_retries=0)
+
+
+def test_openai_batch_round_trip_across_two_gateways(gateways: tuple[GatewayProcess, GatewayProcess]) -> None:
+    one, other = gateways
+    on_one, on_other = openai_client(one), openai_client(other)
+    lines = [
+        {"custom_id": f"doc-{n}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "minilm", "input": f"document number {n} about batch inference"}}
+        for n in range(20)
+    ]
+    uploaded = on_one.files.create(
+        file=("docs.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()), purpose="batch"
+    )
+    assert on_other.files.retrieve(uploaded.id).bytes == uploaded.bytes
+    with pytest.raises(openai.NotFoundError):  # another tenant's file, on either gateway
+        openai_client(other, GLOBEX_KEY).files.retrieve(uploaded.id)
+    batch = on_other.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert [b.id for b in on_one.batches.list().data] == [batch.id]
+    deadline = time.monotonic() + 120
+    while (seen := on_one.batches.retrieve(batch.id)).status != "completed":
+        assert seen.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, seen
+        time.sleep(0.2)
+    assert seen.request_counts is not None and seen.request_counts.completed == 20
+    assert seen.output_file_id is not None
+    output = [json.loads(line) for line in on_one.files.content(seen.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(line["custom_id"] for line in lines)
+    assert all(len(line["response"]["body"]["data"][0]["embedding"]) == 384 for line in output)
+    assert output == [json.loads(line) for line in on_other.files.content(seen.output_file_id).text.splitlines()]

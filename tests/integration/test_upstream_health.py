@@ -1,5 +1,6 @@
 """Upstream health on a real tritonserver: a model's load or unload touches only that model,
-and a Triton killed and restarted is served again within 2 s of its own readiness.
+and a Triton killed and restarted is served again within 2 s of its own readiness (the
+HTTP readiness probe following it, the liveness probe never failing).
 
 Regression tests of issue 10's findings: an admin unloading and reloading one model made
 every other tenant's calls fail `UNAVAILABLE: no healthy Triton upstream` (the gateway
@@ -14,6 +15,8 @@ import pathlib
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -204,6 +207,15 @@ def triton_ready(url: str) -> bool:
         return stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=0.5).ready
 
 
+def probe(gateway: GatewayThread, path: str) -> int:
+    """The status a kubelet's HTTP probe of `path` on the metrics port gets."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.gateway.metrics_port}{path}", timeout=5) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
 def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readiness(tmp_path) -> None:
     require_model("identity")
     ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
@@ -217,8 +229,11 @@ def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readines
             assert identity_served(stub)
             assert health_of(channel) == SERVING
 
+            assert probe(gateway, "/readyz") == probe(gateway, "/healthz") == 200
             server.kill_9()
             wait_for(lambda: health_of(channel) != SERVING, timeout_s=30)
+            # Not ready without a live Triton, yet alive: a Triton outage restarts no gateway.
+            assert (probe(gateway, "/readyz"), probe(gateway, "/healthz")) == (503, 200)
             # Long enough down that gRPC's default backoff would have grown past 2 s.
             time.sleep(4)
             server.start()  # the same ports
@@ -238,6 +253,7 @@ def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readines
             )
             assert serving_gap <= 2.0
             assert served_gap <= 2.0
+            assert probe(gateway, "/readyz") == 200
     finally:
         server.stop()
         for leftover in pathlib.Path("/dev/shm").glob(f"{shm_prefix}*"):

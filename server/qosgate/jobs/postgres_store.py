@@ -118,15 +118,17 @@ class PostgresJobStore(SqlJobStore):
             for statement in filter(str.strip, ddl.split(";")):
                 await db.execute(statement)
 
-        await self._transact(create)
+        await self.transact(create)
         self._tables_ready = True
 
     async def _write(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
         if not self._tables_ready:
             await self._write_tables()
-        return await self._transact(work)
+        return await self.transact(work)
 
-    async def _transact(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+    async def transact(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        """Run `work` in one transaction on this store's connections (the OpenAI files'
+        store shares them); UNAVAILABLE when the database is out of reach or busy."""
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 async with self._pool.connection() as conn, conn.transaction():

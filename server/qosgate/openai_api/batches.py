@@ -85,17 +85,17 @@ class OpenAIBatches:
 
     # -- files ---------------------------------------------------------------------------
 
-    def upload(self, tenant: Tenant, *, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
+    async def upload(self, tenant: Tenant, *, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
         if purpose != "batch":
             raise errors.InvalidArgument(f"purpose {purpose!r} is not supported; use 'batch'")
         if len(content) > self._max_file_bytes:
             raise errors.InvalidArgument(f"file is larger than {self._max_file_bytes} bytes")
-        return _file_json(self._files.add_file(tenant.name, purpose=purpose, filename=filename, content=content))
+        return _file_json(await self._files.add_file(tenant.name, purpose=purpose, filename=filename, content=content))
 
     async def file(self, tenant: Tenant, file_id: str) -> dict[str, Any]:
         job_id, suffix = _output_of(file_id)
         if job_id is None:
-            return _file_json(self._files.get_file(tenant.name, file_id))
+            return _file_json(await self._files.get_file(tenant.name, file_id))
         job = await self._jobs.get_job(tenant.name, job_id)
         content = await self.file_content(tenant, file_id)
         return {
@@ -111,8 +111,8 @@ class OpenAIBatches:
     async def file_content(self, tenant: Tenant, file_id: str) -> bytes:
         job_id, suffix = _output_of(file_id)
         if job_id is None:
-            return self._files.content(tenant.name, file_id)
-        link = self._files.batch_link(tenant.name, job_id)
+            return await self._files.content(tenant.name, file_id)
+        link = await self._files.batch_link(tenant.name, job_id)
         job = await self._jobs.get_job(tenant.name, job_id)
         lines = [
             json.dumps(_result_line(link.endpoint, job.model, result)) + "\n"
@@ -134,15 +134,14 @@ class OpenAIBatches:
     # -- batches -------------------------------------------------------------------------
 
     async def create(self, tenant: Tenant, request: BatchCreateRequest) -> dict[str, Any]:
-        self._files.get_file(tenant.name, request.input_file_id)
-        items, model = self._items(tenant, request)
+        items, model = self._items(tenant, request, await self._files.content(tenant.name, request.input_file_id))
         limits = job_limits(self._config, tenant.name)
         job_id = await self._jobs.begin_job(
             tenant.name, model=model, description="openai batch", callback_url="", limits=limits
         )
         try:
             # Linked before it is sealed: a sealed job is never without its OpenAI fields.
-            self._files.link_batch(
+            await self._files.link_batch(
                 tenant.name,
                 BatchLink(job_id, request.input_file_id, request.endpoint, request.completion_window, request.metadata or {}),
             )
@@ -151,14 +150,13 @@ class OpenAIBatches:
             job = await self._jobs.seal_job(job_id)
         except BaseException:
             await self._jobs.discard_job(job_id)
-            self._files.unlink_batch(job_id)
+            await self._files.unlink_batch(job_id)
             raise
         self._runner.notify()
-        return self._batch_json(job, self._files.batch_link(tenant.name, job_id))
+        return self._batch_json(job, await self._files.batch_link(tenant.name, job_id))
 
-    def _items(self, tenant: Tenant, request: BatchCreateRequest) -> tuple[list[NewItem], str]:
-        """The file's lines as job items, and the model when they all name one."""
-        content = self._files.content(tenant.name, request.input_file_id)
+    def _items(self, tenant: Tenant, request: BatchCreateRequest, content: bytes) -> tuple[list[NewItem], str]:
+        """The input file's lines (`content`) as job items, and the model when they all name one."""
         items: list[NewItem] = []
         models: set[str] = set()
         for number, raw in enumerate(content.splitlines(), start=1):
@@ -182,12 +180,12 @@ class OpenAIBatches:
         return items, models.pop() if len(models) == 1 else ""
 
     async def get(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
-        link = self._files.batch_link(tenant.name, batch_id)
+        link = await self._files.batch_link(tenant.name, batch_id)
         return self._batch_json(await self._jobs.get_job(tenant.name, batch_id), link)
 
     async def list_batches(self, tenant: Tenant, *, limit: int, after: str | None) -> dict[str, Any]:
         # One more than asked tells whether another page exists.
-        links = self._files.batch_links(tenant.name, limit=limit + 1, after_id=after)
+        links = await self._files.batch_links(tenant.name, limit=limit + 1, after_id=after)
         data = []
         for link in links[:limit]:
             try:
@@ -203,7 +201,7 @@ class OpenAIBatches:
         }
 
     async def cancel(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
-        link = self._files.batch_link(tenant.name, batch_id)
+        link = await self._files.batch_link(tenant.name, batch_id)
         return self._batch_json(await self._runner.cancel(tenant.name, batch_id), link)
 
     @staticmethod

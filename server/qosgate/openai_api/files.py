@@ -1,34 +1,42 @@
 """What the OpenAI Batch API keeps beside the job store: uploaded files and, per batch,
 the OpenAI fields a job does not have (input file, endpoint, window, metadata).
 
-One SQLite file of its own (WAL, like the job store: a commit survives a kill -9), so the
-job store stays the one owner of jobs, items and results. Output and error files are not
-stored at all: they are rendered from the job's results whenever they are read.
+Where the job store is: with the embedded SQLite job store, one SQLite file of its own (WAL,
+like the job store: a commit survives a kill -9), so the job store stays the one owner of
+jobs, items and results; with the shared PostgreSQL job store, tables of their own in the
+same database, over the job store's connections, so a file uploaded through one gateway
+replica is read by the others and the Batch API works behind one Service. Output and error
+files are not stored at all: they are rendered from the job's results whenever they are
+read.
 """
 
 from __future__ import annotations
 
+import abc
 import json
+import logging
 import secrets
-import sqlite3
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from qosgate.database import open_database
-from qosgate.errors import NotFound
+from qosgate.database import SqliteDatabase
+from qosgate.errors import NotFound, Unavailable
+from qosgate.jobs.postgres_store import PostgresJobStore
+from qosgate.jobs.store import SqlSession, T
 
-_SCHEMA = """
+log = logging.getLogger(__name__)
+
+_TABLES = """
 CREATE TABLE IF NOT EXISTS openai_files (
     id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
     purpose TEXT NOT NULL,
     filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    created_at REAL NOT NULL,          -- Unix seconds
-    content BLOB NOT NULL
+    bytes BIGINT NOT NULL,
+    created_at {real} NOT NULL,        -- Unix seconds
+    content {blob} NOT NULL
 );
 CREATE TABLE IF NOT EXISTS openai_batches (
     job_id TEXT PRIMARY KEY,           -- the job store's batch id
@@ -37,10 +45,13 @@ CREATE TABLE IF NOT EXISTS openai_batches (
     endpoint TEXT NOT NULL,
     completion_window TEXT NOT NULL,
     metadata TEXT NOT NULL,            -- JSON object
-    created_at REAL NOT NULL
+    created_at {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS openai_batches_by_tenant ON openai_batches (tenant, created_at, job_id);
 """
+# Replicas starting together must not both create the tables (PostgreSQL): the DDL runs
+# under this advisory lock, apart from the job store's.
+_SCHEMA_LOCK = (0x71_6F_73_67, 0x66_69_6C_65)  # "qosg", "file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,65 +77,65 @@ class BatchLink:
     metadata: dict[str, str]
 
 
-class FileStore:
+class FileStore(abc.ABC):
     """Uploaded files and batch links, per tenant; every method is one transaction."""
 
-    def __init__(self, path: Path | str, *, wall_time: Callable[[], float]) -> None:
+    def __init__(self, *, wall_time: Callable[[], float]) -> None:
         self._wall_time = wall_time
-        self._db = open_database(path, _SCHEMA)
-        self._lock = threading.Lock()
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+    @abc.abstractmethod
+    async def _write(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        """Run `work` in a transaction (committed if it returns, rolled back if it raises)."""
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    async def open(self) -> None:
+        """Ready the tables (the SQLite file's are, from its opening)."""
 
-    def add_file(self, tenant: str, *, purpose: str, filename: str, content: bytes) -> StoredFile:
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the file or connections."""
+
+    async def add_file(self, tenant: str, *, purpose: str, filename: str, content: bytes) -> StoredFile:
         stored = StoredFile(
             f"file-{secrets.token_hex(12)}", tenant, purpose, filename, len(content), self._wall_time()
         )
-        with self._transaction() as db:
-            db.execute(
+
+        async def work(db: SqlSession) -> None:
+            await db.execute(
                 "INSERT INTO openai_files (id, tenant, purpose, filename, bytes, created_at, content)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stored.id, tenant, purpose, filename, stored.bytes, stored.created_at, content),
             )
+
+        await self._write(work)
         return stored
 
-    def get_file(self, tenant: str, file_id: str) -> StoredFile:
+    async def get_file(self, tenant: str, file_id: str) -> StoredFile:
         """Raises NotFound for another tenant's file as for a missing one."""
-        with self._transaction() as db:
-            row = db.execute(
+
+        async def work(db: SqlSession) -> tuple[Any, ...] | None:
+            return await db.one(
                 "SELECT id, tenant, purpose, filename, bytes, created_at FROM openai_files"
                 " WHERE id = ? AND tenant = ?",
                 (file_id, tenant),
-            ).fetchone()
+            )
+
+        row = await self._write(work)
         if row is None:
             raise NotFound(f"no file {file_id!r}")
         return StoredFile(*row)
 
-    def content(self, tenant: str, file_id: str) -> bytes:
-        with self._transaction() as db:
-            row = db.execute(
-                "SELECT content FROM openai_files WHERE id = ? AND tenant = ?", (file_id, tenant)
-            ).fetchone()
+    async def content(self, tenant: str, file_id: str) -> bytes:
+        async def work(db: SqlSession) -> tuple[Any, ...] | None:
+            return await db.one("SELECT content FROM openai_files WHERE id = ? AND tenant = ?", (file_id, tenant))
+
+        row = await self._write(work)
         if row is None:
             raise NotFound(f"no file {file_id!r}")
         return bytes(row[0])
 
-    def link_batch(self, tenant: str, link: BatchLink) -> None:
-        with self._transaction() as db:
-            db.execute(
+    async def link_batch(self, tenant: str, link: BatchLink) -> None:
+        async def work(db: SqlSession) -> None:
+            await db.execute(
                 "INSERT INTO openai_batches (job_id, tenant, input_file_id, endpoint,"
                 " completion_window, metadata, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -138,23 +149,30 @@ class FileStore:
                 ),
             )
 
-    def unlink_batch(self, job_id: str) -> None:
-        with self._transaction() as db:
-            db.execute("DELETE FROM openai_batches WHERE job_id = ?", (job_id,))
+        await self._write(work)
 
-    def batch_link(self, tenant: str, job_id: str) -> BatchLink:
+    async def unlink_batch(self, job_id: str) -> None:
+        async def work(db: SqlSession) -> None:
+            await db.execute("DELETE FROM openai_batches WHERE job_id = ?", (job_id,))
+
+        await self._write(work)
+
+    async def batch_link(self, tenant: str, job_id: str) -> BatchLink:
         """Raises NotFound for a batch not created through the OpenAI API (or not the tenant's)."""
-        with self._transaction() as db:
-            row = db.execute(
+
+        async def work(db: SqlSession) -> tuple[Any, ...] | None:
+            return await db.one(
                 "SELECT job_id, input_file_id, endpoint, completion_window, metadata"
                 " FROM openai_batches WHERE job_id = ? AND tenant = ?",
                 (job_id, tenant),
-            ).fetchone()
+            )
+
+        row = await self._write(work)
         if row is None:
             raise NotFound(f"no batch {job_id!r}")
         return _link(row)
 
-    def batch_links(self, tenant: str, *, limit: int, after_id: str | None) -> list[BatchLink]:
+    async def batch_links(self, tenant: str, *, limit: int, after_id: str | None) -> list[BatchLink]:
         """The tenant's batches, newest first, after `after_id` (a cursor) if given."""
         query = (
             "SELECT job_id, input_file_id, endpoint, completion_window, metadata FROM openai_batches"
@@ -169,11 +187,61 @@ class FileStore:
             args += [after_id, tenant]
         query += " ORDER BY created_at DESC, job_id DESC LIMIT ?"
         args.append(limit)
-        with self._transaction() as db:
-            rows = db.execute(query, args).fetchall()
-        return [_link(row) for row in rows]
+
+        async def work(db: SqlSession) -> list[tuple[Any, ...]]:
+            return await db.all(query, args)
+
+        return [_link(row) for row in await self._write(work)]
 
 
-def _link(row: tuple[str, str, str, str, str]) -> BatchLink:
-    job_id, input_file_id, endpoint, window, metadata = row
+class SqliteFileStore(FileStore):
+    """The files in a SQLite file of their own, beside the SQLite job store."""
+
+    def __init__(self, path: Path | str, *, wall_time: Callable[[], float]) -> None:
+        super().__init__(wall_time=wall_time)
+        self._database = SqliteDatabase(path, _TABLES.format(real="REAL", blob="BLOB"))
+
+    async def _write(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        return await self._database.write(work)
+
+    async def close(self) -> None:
+        self._database.close()
+
+
+class PostgresFileStore(FileStore):
+    """The files in the shared job store's PostgreSQL database, over its connections. As
+    with the job store, a database out of reach fails these calls UNAVAILABLE, and the
+    tables are made by the first call that reaches it."""
+
+    def __init__(self, jobs: PostgresJobStore, *, wall_time: Callable[[], float]) -> None:
+        super().__init__(wall_time=wall_time)
+        self._jobs = jobs
+        self._tables_ready = False
+
+    async def open(self) -> None:
+        try:
+            await self._create_tables()
+        except Unavailable:
+            log.warning("the PostgreSQL job store is out of reach; the OpenAI files wait for it")
+
+    async def close(self) -> None:
+        """The connections are the job store's: it closes them."""
+
+    async def _create_tables(self) -> None:
+        async def create(db: SqlSession) -> None:
+            await db.execute("SELECT pg_advisory_xact_lock(?, ?)", _SCHEMA_LOCK)
+            for statement in filter(str.strip, _TABLES.format(real="DOUBLE PRECISION", blob="BYTEA").split(";")):
+                await db.execute(statement)
+
+        await self._jobs.transact(create)
+        self._tables_ready = True
+
+    async def _write(self, work: Callable[[SqlSession], Awaitable[T]]) -> T:
+        if not self._tables_ready:
+            await self._create_tables()
+        return await self._jobs.transact(work)
+
+
+def _link(row: tuple[Any, ...]) -> BatchLink:
+    job_id, input_file_id, endpoint, window, metadata = (str(column) for column in row)
     return BatchLink(job_id, input_file_id, endpoint, window, json.loads(metadata))

@@ -5,6 +5,10 @@ Each route parses the wire, calls the plane the gRPC servicer of the same API ca
 OpenAIBatches) and writes OpenAI's JSON. Every failure, from any route, goes through the
 one error table (`errors.http_error`).
 
+With the gateway's `tls:` the listener speaks HTTPS with the gRPC listener's certificate,
+and with `tls.client_ca` it requires a client certificate, which identifies a tenant as it
+does over gRPC (`tenants[].client_certs`).
+
 A client that disconnects cancels its handler (aiohttp's handler_cancellation), which
 closes the generation and so cancels the request in the engine, as a cancelled gRPC
 stream does; a streaming response also notices at its next write.
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -35,6 +40,7 @@ from qosgate.dataplane.generation import Finished, GenerationPlane
 from qosgate.openai_api import wire
 from qosgate.openai_api.batches import BatchCreateRequest, OpenAIBatches
 from qosgate.openai_api.errors import http_error
+from qosgate.tls import peer_certificate
 from qosgate.upstream import UpstreamPool
 from qosgate.v1_converters import to_call
 
@@ -64,8 +70,10 @@ class OpenAIServer:
         embedding: EmbeddingPlane,
         pool: UpstreamPool,
         batches: OpenAIBatches,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._config = config
+        self._tls = tls
         self._directory = directory
         self._generation = generation
         self._embedding = embedding
@@ -109,6 +117,7 @@ class OpenAIServer:
                 lambda: _RequestHandler(server, loop=loop, access_log=None),  # type: ignore[arg-type]
                 host.strip("[]"),
                 int(port),
+                ssl=self._tls,
             )
         except OSError:
             await runner.cleanup()
@@ -132,7 +141,7 @@ class OpenAIServer:
         caller without a valid key learns nothing but 401), and every failure answered
         with an OpenAI error object by the one error table."""
         try:
-            request[_TENANT] = self._directory.identify(_metadata(request))
+            request[_TENANT] = self._identify(request)
             return await handler(request)
         except ConnectionResetError:
             raise  # the client went away mid-response: aiohttp drops it quietly
@@ -144,6 +153,12 @@ class OpenAIServer:
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             response = http_error(e, request.get(_TENANT) if isinstance(e, errors.QuotaExceeded) else None)
             return web.json_response(response.body, status=response.status, headers=response.headers)
+
+    def _identify(self, request: web.Request) -> Tenant:
+        """Who calls: its key, or its verified client certificate (mutual TLS)."""
+        transport = request.transport
+        certificate = peer_certificate(transport.get_extra_info("ssl_object") if transport else None)
+        return self._directory.identify(_metadata(request), certificate)
 
     def _tenant(self, request: web.Request) -> Tenant:
         tenant: Tenant = request[_TENANT]
@@ -280,7 +295,7 @@ class OpenAIServer:
     async def upload_file(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         purpose, filename, content = await self._multipart_file(request)
-        return web.json_response(self._batches.upload(tenant, purpose=purpose, filename=filename, content=content))
+        return web.json_response(await self._batches.upload(tenant, purpose=purpose, filename=filename, content=content))
 
     async def _multipart_file(self, request: web.Request) -> tuple[str, str, bytes]:
         if not request.content_type.startswith("multipart/form-data"):
