@@ -168,9 +168,15 @@ class GatewayProcess:
     files) anew. The process's output goes to `log_path`, appended across restarts.
     """
 
-    def __init__(self, config_path: pathlib.Path, log_path: pathlib.Path) -> None:
+    def __init__(
+        self, config_path: pathlib.Path, log_path: pathlib.Path, command: list[str] | None = None, **popen: Any
+    ) -> None:
+        """`command` (default: this interpreter's `qosgate serve --config CONFIG_PATH`) runs
+        with `popen`'s further subprocess.Popen arguments (env, user, ...)."""
         self.config_path = config_path
         self.log_path = log_path
+        self.command = command or [sys.executable, "-m", "qosgate", "serve", "--config", str(config_path)]
+        self._popen = popen
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
@@ -201,11 +207,7 @@ class GatewayProcess:
     def start(self, timeout_s: float = 60.0) -> GatewayProcess:
         """Start it and wait until its health service says SERVING."""
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "qosgate", "serve", "--config", str(self.config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, **self._popen)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -228,14 +230,16 @@ class GatewayProcess:
         self.proc.wait(timeout=30)
         self.proc = None
 
-    def stop(self) -> None:
-        """End it politely if it still runs (SIGTERM, then SIGKILL after 15 s)."""
+    def stop(self) -> int | None:
+        """End it politely if it still runs (SIGTERM, then SIGKILL after 15 s); its exit
+        status, None if it was not running."""
         if self.proc is None:
-            return
+            return None
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=15)
+            status = self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            status = self.proc.wait()
         self.proc = None
+        return status
