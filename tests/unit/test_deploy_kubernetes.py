@@ -1,12 +1,14 @@
-"""deploy/kubernetes cannot be applied here (no cluster): parse every manifest and check
-what a typo would break: selectors against pod labels, Service and probe ports against
-container ports, ConfigMap/Secret references and keys, the gateway config it assembles
-(validated by qosgate itself), its upstreams against the Triton StatefulSet and its
-stores against the Redis and PostgreSQL Services."""
+"""deploy/kubernetes cannot be applied here (no cluster): render it as `kubectl apply -k`
+would (`kubectl kustomize`), validate every object against the Kubernetes API schema, and
+check what a typo would break: selectors against pod labels, Service and probe ports
+against container ports, ConfigMap/Secret references and keys, the images set in one place,
+the gateway config it assembles (validated by qosgate itself), its upstreams against the
+Triton StatefulSet and its stores against the Redis and PostgreSQL Services."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -15,28 +17,20 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from kustomize import render
 from qosgate import paths
 from qosgate.config import GatewayConfig, parse_config
 
 DEPLOY = paths.project_root() / "deploy" / "kubernetes"
+DOCKERFILE = paths.project_root() / "docker" / "Dockerfile"
 WORKLOADS = ("Deployment", "StatefulSet")
-# Oldest Kubernetes the manifests target (gRPC readiness probes are GA since 1.27).
+# Oldest Kubernetes the manifests target.
 KUBERNETES_VERSION = "1.30"
 
 Manifest = dict[str, Any]
 
 
-def load_manifests() -> list[Manifest]:
-    docs = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        with path.open(encoding="utf-8") as f:
-            docs.extend(doc for doc in yaml.safe_load_all(f) if doc is not None)
-    return docs
-
-
-MANIFESTS = load_manifests()
+MANIFESTS = render(DEPLOY)
 
 
 def of_kind(kind: str) -> list[Manifest]:
@@ -104,6 +98,21 @@ def test_every_manifest_is_in_the_kustomization_and_well_formed() -> None:
     for manifest in MANIFESTS:
         assert {"apiVersion", "kind", "metadata"} <= manifest.keys()
         assert manifest["metadata"]["name"]
+        if manifest["kind"] != "Namespace":
+            assert manifest["metadata"]["namespace"] == kustomization["namespace"]
+
+
+def test_images_are_set_in_the_kustomization_alone() -> None:
+    """Each of our images is named without a tag in the manifests and given its name and
+    tag by the kustomization's `images`, so a deployer sets them in one place."""
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in yaml.safe_load(
+        (DEPLOY / "kustomization.yaml").read_text())["images"]}
+    assert set(images) == {"qosgate", "qosgate-triton"}
+    for path in DEPLOY.glob("*.yaml"):
+        for name in images:
+            assert not re.search(rf"image: {name}[:@]", path.read_text()), f"{path.name} tags {name} itself"
+    used = {c["image"] for w in workloads() for c in containers(w) if c["image"].split(":")[0] in images}
+    assert used == set(images.values())
 
 
 @pytest.mark.parametrize(
@@ -143,14 +152,20 @@ def test_probes_use_declared_ports() -> None:
                     assert spec[kind]["port"] in ports, f"{container['name']} {probe}"
 
 
-def test_gateway_readiness_is_the_grpc_health_service_on_its_listen_port() -> None:
+def test_gateway_probes_are_its_plaintext_health_endpoints() -> None:
+    """On the metrics port, plaintext whatever `tls:` says: /readyz (a live Triton) for
+    readiness, /healthz (the process serves) for liveness."""
     gateway = named("Deployment", "qosgate-gateway")
     (container,) = pod_spec(gateway)["containers"]
     config = gateway_config()
     listen_port = int(config.listen.rsplit(":", 1)[1])
-    assert container["readinessProbe"]["grpc"]["port"] == listen_port
+    metrics_port = int(config.metrics_listen.rsplit(":", 1)[1])
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        check = container[probe]["httpGet"]
+        assert (check["path"], container_ports(gateway)[check["port"]]) == (path, metrics_port)
+        assert check.get("scheme", "HTTP") == "HTTP"
     assert container_ports(gateway)["grpc"] == listen_port
-    assert container_ports(gateway)["metrics"] == int(config.metrics_listen.rsplit(":", 1)[1])
+    assert container_ports(gateway)["metrics"] == metrics_port
     assert container_ports(gateway)["http"] == int(config.openai.listen.rsplit(":", 1)[1])
     assert config.listen.startswith("0.0.0.0:")  # reachable from the Service
 
@@ -211,9 +226,15 @@ def test_gateway_shares_quota_state_through_the_redis_service() -> None:
     assert url.port in {p["port"] for p in redis_service["spec"]["ports"]}
     (container,) = pod_spec(named("Deployment", "qosgate-gateway"))["containers"]
     assert store.password_env in {e["name"] for e in container["env"]}
-    redis = named("Deployment", "redis")
+    redis = named("StatefulSet", "redis")
     (redis_container,) = pod_spec(redis)["containers"]
     assert "$(REDIS_PASSWORD)" in redis_container["args"]
+    # The day's token totals outlive the pod: the append-only file is on a claim.
+    args = redis_container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    claims = {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+    (data,) = [m for m in redis_container["volumeMounts"] if m["name"] in claims]
+    assert args[args.index("--dir") + 1] == data["mountPath"]
 
 
 def test_gateway_shares_batch_jobs_through_the_postgres_service() -> None:
@@ -240,6 +261,18 @@ def test_gateway_shares_batch_jobs_through_the_postgres_service() -> None:
     claims = {t["metadata"]["name"] for t in postgres["spec"]["volumeClaimTemplates"]}
     (data,) = [m for m in container["volumeMounts"] if m["name"] in claims]
     assert env["PGDATA"]["value"].startswith(data["mountPath"] + "/")
+
+
+def test_gateway_state_is_the_images_state_directory_on_a_volume() -> None:
+    """The gateway writes its state directory alone (read-only root filesystem): the
+    image's default (XDG_DATA_HOME/qosgate), on the pod's `state` volume."""
+    (data_home,) = re.findall(r"^ENV XDG_DATA_HOME=(\S+)$", DOCKERFILE.read_text(), re.M)
+    gateway = named("Deployment", "qosgate-gateway")
+    (container,) = pod_spec(gateway)["containers"]
+    assert gateway_config().state_dir is None  # the image's default
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[f"{data_home}/qosgate"] == "state"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_upstreams_are_the_triton_replicas() -> None:

@@ -1,5 +1,7 @@
-"""deploy/grafana/qosgate-dashboard.json: loads, and every query names a metric the
-gateway exports (so a renamed metric cannot leave a panel silently empty)."""
+"""deploy/grafana: the dashboard loads, and every query of it and of the alert rules names
+a metric the gateway exports (so a renamed metric cannot leave a panel empty or an alert
+silent); the ServiceMonitor scrapes the gateway Service's metrics port (rendered with
+kustomize, next to deploy/kubernetes)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,16 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+from kustomize import render
 from prometheus_client import generate_latest
 
 from qosgate.metrics import GatewayMetrics
 from qosgate.scheduler import SchedulerSnapshot
 
-DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "qosgate-dashboard.json"
+DEPLOY = Path(__file__).parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "qosgate-dashboard.json"
+MONITORING = render(DEPLOY / "grafana")
 METRIC = re.compile(r"\bqosgate_[a-z_]+")
 
 
@@ -70,3 +76,41 @@ def test_panels_cover_tenants_classes_and_models() -> None:
     ):
         assert metric in exprs, metric
     assert {v["name"] for v in dashboard["templating"]["list"]} >= {"tenant", "class", "model"}
+
+
+def _monitoring(kind: str) -> dict:
+    (found,) = [m for m in MONITORING if m["kind"] == kind]
+    return found
+
+
+def test_service_monitor_scrapes_the_gateway_services_metrics_port() -> None:
+    (service,) = [m for m in render(DEPLOY / "kubernetes") if m["kind"] == "Service" and m["metadata"]["name"] == "qosgate"]
+    monitor = _monitoring("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+def _rules() -> list[dict]:
+    return [rule for group in _monitoring("PrometheusRule")["spec"]["groups"] for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule["alert"])
+def test_alert_rule_is_well_formed_over_exported_metrics(rule: dict) -> None:
+    expr = rule["expr"]
+    names = METRIC.findall(expr)
+    assert names and set(names) <= _exported(), (expr, set(names) - _exported())
+    assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]")
+    assert re.fullmatch(r"\d+[smh]", rule.get("for", "0s"))
+    assert rule["labels"]["severity"] in ("critical", "warning")
+    assert rule["annotations"]["summary"]
+
+
+def test_alerts_cover_the_gateways_failure_modes() -> None:
+    exprs = " ".join(rule["expr"] for rule in _rules())
+    for metric in ("qosgate_upstream_live", "qosgate_rejections_total", "qosgate_requests_total",
+                   "qosgate_queue_wait_seconds_bucket"):
+        assert metric in exprs, metric
