@@ -25,9 +25,9 @@ from bench.scenarios.overhead import API_KEY, MODEL, MODELS, TENANTS
 from qosgate.app import Gateway
 from qosgate.config import parse_config
 from qosgate.relay.infer_policy import InferAdmissionPolicy
-from qosgate.relay.peer import Flusher
+from qosgate.transport.peer import Flusher
 from qosgate.relay.policy import CallEnd, CallHead, Forward
-from qosgate.relay.upstream import UpstreamPool as Connections
+from qosgate.upstream.connections import ConnectionPool as Connections
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
 OK = 0

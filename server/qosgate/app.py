@@ -55,7 +55,7 @@ from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
-from qosgate.relay import upstream as relay_upstream
+from qosgate.upstream.connections import ConnectionPool
 from qosgate.relay.infer_policy import InferAdmissionPolicy
 from qosgate.relay.server import Relay
 from qosgate.relay.stream_infer import StreamInferHandler
@@ -70,7 +70,7 @@ from qosgate.upstream import UpstreamPool
 from qosgate.upstream.engine import PoolEngineInfer, PoolEngineStreams
 from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
-from qosgate.upstream.pool import SERVICE as KSERVE_SERVICE
+from qosgate.kserve.names import SERVICE as KSERVE_SERVICE
 from qosgate.tls import HTTP1_ALPN, client_context, server_context
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
@@ -317,7 +317,7 @@ class Gateway:
             log.warning("the per-call modules run interpreted (about a quarter more CPU per call): "
                         "`make native` compiles them")
 
-    async def _open_relay(self) -> dict[str, relay_upstream.UpstreamPool]:
+    async def _open_relay(self) -> dict[str, ConnectionPool]:
         """The relay, and its connections to each Triton (by upstream name), open: the
         health checks go over them before the relay serves."""
         limits = self.config.limits
@@ -336,7 +336,7 @@ class Gateway:
             await pool.start()
         return tritons
 
-    async def _serve_relay(self, tritons: dict[str, relay_upstream.UpstreamPool], grpcio_address: str) -> int:
+    async def _serve_relay(self, tritons: dict[str, ConnectionPool], grpcio_address: str) -> int:
         """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
         policy, ModelStreamInfer served message by message, every other call to the grpcio
         server; returns the listening port."""

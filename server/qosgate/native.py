@@ -1,8 +1,8 @@
 """The gateway's per-call path, compiled to C by mypyc at setup (`make native`).
 
-The modules below are what every relayed call runs through: the HTTP/2 relay, the KServe
-handlers, the data plane's call scope, the scheduler, quotas and tenants, and the status
-details a refusal is answered with. mypyc compiles
+The modules below are what every relayed call runs through: the HTTP/2 transport and
+relay, the KServe handlers, the data plane's call scope, the scheduler, quotas and
+tenants, and the status a refusal is answered with. mypyc compiles
 them from their typed Python source (no other source exists) into extension modules next
 to it, which Python imports in preference to the `.py` files; the work per call is the
 same, its interpreter overhead is not (about a fifth less CPU per forwarded call, see
@@ -37,27 +37,29 @@ MODULES = (
     "metrics.py",
     "dataplane/plane.py",
     "dataplane/tracing.py",
+    "error_table.py",
+    "kserve/wire.py",
     "quota/admission.py",
     "quota/bucket.py",
     "quota/store.py",
     "quota/tokens.py",
     "quota/verdict.py",
-    "relay/framing.py",
-    "relay/http2.py",
     "relay/infer_policy.py",
     "relay/messages.py",
-    "relay/peer.py",
     "relay/policy.py",
     "relay/server.py",
     "relay/stream_infer.py",
-    "relay/upstream.py",
     "scheduler/aio.py",
     "scheduler/classes.py",
     "scheduler/core.py",
     "scheduler/cost.py",
     "scheduler/window.py",
-    "services/infer_wire.py",
-    "services/status.py",
+    "transport/framing.py",
+    "transport/http2.py",
+    "transport/messages.py",
+    "transport/peer.py",
+    "transport/status.py",
+    "upstream/connections.py",
 )
 GROUP = "qosgate._native"
 # The SHA-256 of each module's source as compiled, written by scripts/build_native.py.

@@ -32,10 +32,11 @@ from tritonclient.utils import InferenceServerException
 from conftest import require_model
 from relay_harness import RelayThread
 from test_gateway_perf_analyzer import PERF_ANALYZER, perf_analyzer
-from qosgate.relay import http2
-from qosgate.relay.policy import RESOURCE_EXHAUSTED, CallEnd, CallHead, Decision, Forward, Refuse
+from qosgate.transport import http2
+from qosgate.relay.policy import CallEnd, CallHead, Decision, Forward
+from qosgate.transport.status import RESOURCE_EXHAUSTED, Refuse
 from qosgate.relay.server import CALLS_PER_PASS
-from qosgate.services import infer_wire
+from qosgate.kserve import wire
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ class KeyedPolicy:
             return Refuse(RESOURCE_EXHAUSTED, "over quota", details=_quota_details())
         if key == b"tagged":
             return Forward(
-                append=infer_wire.priority_fragment(1) + infer_wire.id_fragment("tagged-by-relay"),
+                append=wire.priority_fragment(1) + wire.id_fragment("tagged-by-relay"),
                 set_headers=((b"x-relay", b"1"),),
                 on_finish=self.ends.append,
             )
@@ -132,7 +133,7 @@ def test_unary_and_metadata_rpcs_as_through_triton(relay, policy, triton) -> Non
     assert result.get_response().id == "r1"
     # The policy read the model name from the first message's bytes.
     infer_heads = [h for h in policy.heads if h.method == "ModelInfer"]
-    assert infer_wire.peek_request(infer_heads[-1].first_message, 4096).model_name == MODEL
+    assert wire.peek_request(infer_heads[-1].first_message, 4096).model_name == MODEL
     end = policy.ends[before]
     assert (end.status, end.reset_code, end.requests, end.responses) == (0, None, 1, 1)
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from qosgate.relay.peer import Flusher
+from qosgate.transport.peer import Flusher
 
 
 class _Peer:

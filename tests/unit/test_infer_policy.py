@@ -10,9 +10,10 @@ from tritonclient.grpc import service_pb2
 from qosgate.app import Gateway
 from qosgate.config import parse_config
 from qosgate.relay.infer_policy import InferAdmissionPolicy
-from qosgate.relay.peer import Flusher
-from qosgate.relay.policy import CallEnd, CallHead, Forward, Refuse
-from qosgate.relay.upstream import UpstreamPool as Connections
+from qosgate.transport.peer import Flusher
+from qosgate.relay.policy import CallEnd, CallHead, Forward
+from qosgate.transport.status import Refuse
+from qosgate.upstream.connections import ConnectionPool as Connections
 
 KEY = "k" * 24
 PATH = b"/inference.GRPCInferenceService/ModelInfer"

@@ -11,8 +11,9 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.services import status
+from qosgate.transport.status import status_of
 from tests.fakes import FakeClock
 
 _METHOD = "/test.Errors/Raise"
@@ -76,7 +77,7 @@ async def test_row_through_real_channel(raising_server, index: int) -> None:
 
     if code is grpc.StatusCode.INTERNAL:
         # Generic text only: the cause stays in the log.
-        assert caught.value.details().startswith(status.INTERNAL_MESSAGE)
+        assert caught.value.details().startswith(error_table.INTERNAL_MESSAGE)
         assert "secret" not in caught.value.details()
         return
     assert caught.value.details() == error.message
@@ -100,48 +101,43 @@ async def test_row_through_real_channel(raising_server, index: int) -> None:
 
 def test_every_domain_error_has_a_row() -> None:
     domain = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GatewayError)}
-    assert domain - {errors.GatewayError} == set(status.TABLE)
-
-
-def test_stream_error_message_leads_with_the_code() -> None:
-    text = status.stream_error_message(errors.PermissionDenied("model 'x' not allowed"))
-    assert text == "PERMISSION_DENIED: model 'x' not allowed"
+    assert domain - {errors.GatewayError} == set(error_table.TABLE)
 
 
 def test_a_wait_past_what_a_duration_holds_is_sent_as_the_largest_one() -> None:
     for wait in (315_576_000_000.5, 1e300):
-        rich = status.to_rich_status(errors.Unavailable("busy", retry_after_s=wait))
+        rich = _rich(errors.Unavailable("busy", retry_after_s=wait))
         info = error_details_pb2.RetryInfo()
         rich.details[0].Unpack(info)
         assert (info.retry_delay.seconds, info.retry_delay.nanos) == (315_576_000_000, 0)
 
 
 def test_retry_delay_rounds_up() -> None:
-    rich = status.to_rich_status(errors.Unavailable("busy", retry_after_s=0.0000015))
+    rich = _rich(errors.Unavailable("busy", retry_after_s=0.0000015))
     info = error_details_pb2.RetryInfo()
     rich.details[0].Unpack(info)
     assert (info.retry_delay.seconds, info.retry_delay.nanos) == (0, 2000)
 
 
 def test_a_message_quoting_a_huge_value_is_cut_to_the_bound() -> None:
-    rich = status.to_rich_status(errors.PermissionDenied(f"may not use model {'m' * 100_000!r}"))
-    assert len(rich.message) == status.MAX_MESSAGE_CHARS
+    rich = _rich(errors.PermissionDenied(f"may not use model {'m' * 100_000!r}"))
+    assert len(rich.message) == error_table.MAX_MESSAGE_CHARS
     assert rich.message.startswith("may not use model 'mmm") and rich.message.endswith("...")
-    short = status.to_rich_status(errors.InvalidArgument("x" * status.MAX_MESSAGE_CHARS))
-    assert short.message == "x" * status.MAX_MESSAGE_CHARS
+    short = _rich(errors.InvalidArgument("x" * error_table.MAX_MESSAGE_CHARS))
+    assert short.message == "x" * error_table.MAX_MESSAGE_CHARS
 
 
 def test_internal_errors_are_logged_in_full_only_up_to_the_budget(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(status, "_tracebacks", status.LogBudget(per_window=3, window_s=60.0, clock=clock))
-    caplog.set_level(logging.ERROR, logger=status.__name__)
+    monkeypatch.setattr(error_table, "_tracebacks", error_table.LogBudget(per_window=3, window_s=60.0, clock=clock))
+    caplog.set_level(logging.ERROR, logger=error_table.__name__)
 
     def burst(count: int) -> list[logging.LogRecord]:
         caplog.clear()
         for _ in range(count):
-            assert status.to_rich_status(RuntimeError("bug")).message.startswith(status.INTERNAL_MESSAGE)
+            assert _rich(RuntimeError("bug")).message.startswith(error_table.INTERNAL_MESSAGE)
         return caplog.records
 
     logged = burst(50)
@@ -152,6 +148,10 @@ def test_internal_errors_are_logged_in_full_only_up_to_the_budget(
     assert burst(5) == []
     clock.advance(0.1)  # a new window
     assert [bool(r.exc_info) for r in burst(3)] == [True, True, True]
+
+
+def _rich(error: BaseException) -> status_pb2.Status:
+    return status_pb2.Status.FromString(status_of(error)[2])
 
 
 def _runtime_status(code: int, message: str, retry_after: float | None, violations: tuple[errors.QuotaViolation, ...]) -> bytes:
@@ -176,9 +176,9 @@ def test_status_bytes_are_the_protobuf_runtimes_own(retry_after: float) -> None:
     for violations in (one, two):
         for _ in range(2):  # built, then from the cache
             error = errors.QuotaExceeded("quota exceeded: é " + "x" * 200, retry_after, violations)
-            code, message, details = status.status_bytes(error)
+            code, message, details = status_of(error)
             assert (code, message) == (8, error.message)
             assert details == _runtime_status(8, error.message, retry_after, violations)
     shed = errors.Unavailable("shed", retry_after_s=retry_after)
-    assert status.status_bytes(shed)[2] == _runtime_status(14, "shed", retry_after, ())
-    assert status.status_bytes(errors.NotFound("no model"))[2] == _runtime_status(5, "no model", None, ())
+    assert status_of(shed)[2] == _runtime_status(14, "shed", retry_after, ())
+    assert status_of(errors.NotFound("no model"))[2] == _runtime_status(5, "no model", None, ())

@@ -22,10 +22,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from qosgate.config import RoutingConfig, UpstreamConfig
 from qosgate.errors import Unavailable
 from qosgate.metrics import GatewayMetrics
-from qosgate.relay.peer import Flusher
-from qosgate.relay import http2
-from qosgate.relay.upstream import SPILL_STREAMS, SPILL_WINDOW, UpstreamConnection, has_room
-from qosgate.relay.upstream import UpstreamPool as Connections
+from qosgate.transport.peer import Flusher
+from qosgate.transport import http2
+from qosgate.upstream.connections import SPILL_STREAMS, SPILL_WINDOW, UpstreamConnection, has_room
+from qosgate.upstream.connections import ConnectionPool as Connections
 from qosgate.scheduler.window import EngineLoad
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.pool import SLOW_PROBES_BEFORE_DOWN
@@ -249,7 +249,7 @@ async def test_a_connection_refused_for_a_while_is_one_warning_and_reopens_by_it
     with socket.socket() as closed:  # a port nothing listens on, yet
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    caplog.set_level(logging.INFO, "qosgate.relay.upstream")
+    caplog.set_level(logging.INFO, "qosgate.upstream.connections")
     connections = Connections(Flusher(), f"127.0.0.1:{port}")
     opened: list[bool] = []
     connections.watch(lambda: opened.append(True))
@@ -264,7 +264,7 @@ async def test_a_connection_refused_for_a_while_is_one_warning_and_reopens_by_it
             await connections.stop()  # before the server goes: that would be an outage of its own
     finally:
         await connections.stop()
-    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "qosgate.relay.upstream"]
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "qosgate.upstream.connections"]
     assert [level for level, _ in records] == [logging.WARNING, logging.INFO], records
     assert "failed attempts" in records[1][1]
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import BatchConfig
 from qosgate.jobs.model import ItemKind, ItemResult, Job, JobStatus, NewItem
@@ -23,7 +23,6 @@ from qosgate.jobs.store import JobStore
 from qosgate.openai_api import wire
 from qosgate.openai_api.errors import HTTP_BY_REASON
 from qosgate.openai_api.files import BatchLink, FileStore, StoredFile
-from qosgate.services import status
 from qosgate.services.batch import RESULTS_PAGE, job_limits, new_item
 from qosgate.v1 import batch_pb2, embedding_pb2, generation_pb2
 
@@ -38,7 +37,7 @@ _STATUS = {
     JobStatus.CANCELLING: "cancelling",
     JobStatus.CANCELLED: "cancelled",
 }
-_ROW_BY_ERROR = {klass.__name__: row for klass, row in status.TABLE.items()}
+_ROW_BY_ERROR = {klass.__name__: row for klass, row in error_table.TABLE.items()}
 
 
 class BatchCreateRequest(BaseModel):
@@ -248,7 +247,7 @@ def _batch_item(line: _Line) -> batch_pb2.BatchItem:
 def _result_line(endpoint: str, model: str, result: ItemResult) -> dict[str, Any]:
     request_id = f"batch_req_{result.offset}"
     if result.error is not None:
-        row = _ROW_BY_ERROR.get(result.error.kind, status.TABLE[errors.Internal])
+        row = _ROW_BY_ERROR.get(result.error.kind, error_table.INTERNAL)
         http = HTTP_BY_REASON[row.reason]
         error = {"message": result.error.message, "type": http.type, "param": None, "code": row.reason}
         response = {"status_code": http.status, "request_id": request_id, "body": {"error": error}}

@@ -1,6 +1,6 @@
 """Domain errors as OpenAI error JSON with the matching HTTP status.
 
-The classification is the gRPC table's (`services.status.row_of`): a domain error finds
+The classification is the one error table's (`error_table.row_of`): a domain error finds
 its row there, and this table only says how each row's `reason` looks over HTTP. So both
 APIs report the same cause the same way, and a new domain error class added to the one
 table must be given an HTTP form here (a unit test checks every row has one).
@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.auth import Tenant
-from qosgate.services import status
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,7 @@ class HttpError:
 def http_error(error: BaseException, tenant: Tenant | None = None) -> HttpError:
     """The response for `error`; `tenant` (when known) fills the x-ratelimit-limit headers
     of a 429."""
-    row = status.row_of(error)
+    row = error_table.row_of(error)
     http = HTTP_BY_REASON[row.reason]
     headers: dict[str, str] = {}
     retry_after = getattr(error, "retry_after_s", None)
@@ -64,7 +63,7 @@ def http_error(error: BaseException, tenant: Tenant | None = None) -> HttpError:
         headers.update(_rate_limit_headers(error, tenant))
     body = {
         "error": {
-            "message": status.public_message(error, row),
+            "message": error_table.public_message(error, row),
             "type": http.type,
             "param": None,
             "code": row.reason,

@@ -37,6 +37,7 @@ from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import OpenAIConfig
 from qosgate.dataplane.embedding import EmbeddingPlane
 from qosgate.dataplane.generation import Finished, GenerationPlane
+from qosgate.kserve.names import PRIORITY_HEADER
 from qosgate.openai_api import wire
 from qosgate.openai_api.batches import BatchCreateRequest, OpenAIBatches
 from qosgate.openai_api.errors import http_error
@@ -46,7 +47,6 @@ from qosgate.v1_converters import to_call
 
 log = logging.getLogger(__name__)
 
-PRIORITY_HEADER = "x-priority"
 # OpenAI's service tiers that mean "no preference" unless the config maps them.
 _DEFAULT_TIERS = ("auto", "default")
 DEFAULT_PAGE_SIZE = 20

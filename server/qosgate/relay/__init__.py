@@ -1,7 +1,8 @@
-"""The KServe data path as an HTTP/2 relay: gRPC frames moved, not gRPC calls made.
+"""The gateway's gRPC listener: an HTTP/2 relay that moves KServe calls as frames to
+Triton, not gRPC calls made.
 
 `server.Relay` accepts tenants' HTTP/2 connections and joins each call's stream to a
-stream on a few persistent connections per upstream (`upstream.UpstreamPool`), after a
-per-call `policy.CallPolicy` has seen its headers and first message. `http2` is the only
-module that touches the HTTP/2 library (ngh2 on libnghttp2).
+stream on the upstream pool's persistent connections (upstream/connections.py), after a
+per-call `policy.CallPolicy` has seen its headers and first message; calls it serves
+message by message are `messages.ServerStream`s.
 """

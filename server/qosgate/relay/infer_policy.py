@@ -23,30 +23,29 @@ import grpc
 from google.rpc import code_pb2
 
 from qosgate import errors
+from qosgate.error_table import row_of
 from qosgate.auth import API_KEY, AUTHORIZATION
 from qosgate.config import CostUnit, GatewayConfig
 from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
 from qosgate.dataplane.tracing import TRACEPARENT, TRACESTATE
 from qosgate.eager import run_eagerly
 from qosgate.memory import HeapTrimmer
-from qosgate.relay import upstream as relay_upstream
-from qosgate.relay.policy import CallEnd, CallHead, Decision, Forward, Refuse
-from qosgate.services import status
+from qosgate.kserve.names import INFER, PRIORITY_HEADER
+from qosgate.relay.policy import CallEnd, CallHead, Decision, Forward
+from qosgate.transport.status import code_name, refusal
+from qosgate.upstream.connections import ConnectionPool
 from qosgate.scheduler.cost import unit_cost
-from qosgate.services import infer_wire
-from qosgate.services.infer_wire import InferRequestHead
-from qosgate.services.kserve import PRIORITY_HEADER
+from qosgate.kserve import wire
+from qosgate.kserve.wire import InferRequestHead
 from qosgate.upstream import Upstream, UpstreamPool
 
-RPC = "ModelInfer"
+RPC = INFER
 # The headers the policy reads: credentials (never sent on to Triton: a tenant's key is the
 # gateway's business, and an upstream link may be plaintext); priority class and the
 # caller's trace context.
 _CREDENTIALS = frozenset(name.encode() for name in (AUTHORIZATION, API_KEY))
 _READ = frozenset(name.encode() for name in (PRIORITY_HEADER, TRACEPARENT, TRACESTATE))
 T = TypeVar("T")
-# gRPC status code -> its name (the `code` metric label); an upstream's out-of-range code is UNKNOWN.
-_CODE_NAMES = {value: name for name, value in code_pb2.Code.items()}
 
 
 class InferAdmissionPolicy:
@@ -59,7 +58,7 @@ class InferAdmissionPolicy:
         config: GatewayConfig,
         plane: DataPlane,
         pool: UpstreamPool,
-        connections: Mapping[str, relay_upstream.UpstreamPool],
+        connections: Mapping[str, ConnectionPool],
         heap: HeapTrimmer,
     ) -> None:
         self._config = config
@@ -88,9 +87,9 @@ class InferAdmissionPolicy:
         try:
             tenant = self._plane.directory.identify_on(head.caller, credentials)
         except errors.GatewayError as e:  # no tenant, so no scope: counted here as before
-            row = status.row_of(e)
+            row = row_of(e)
             self._plane.metrics.rejected(row.reason, "", "")
-            self._plane.metrics.request_done(RPC, "", "", "", row.code.name)
+            self._plane.metrics.request_done(RPC, "", "", "", row.code)
             self._heap.message(len(head.first_message))
             return refusal(e)
         scope: CallScope | None = None
@@ -139,7 +138,7 @@ class InferAdmissionPolicy:
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
 
-        def failover() -> relay_upstream.UpstreamPool | None:
+        def failover() -> ConnectionPool | None:
             other = call.failover()
             return None if other is None else self._connections[other.name]
 
@@ -180,11 +179,6 @@ def _header_name(name: str | None) -> bytes | None:
     return None if name is None else name.encode("latin-1")  # lower case (the config says so)
 
 
-def code_name(code: int) -> str:
-    """A gRPC status code's name (the `code` metric label); out of range, UNKNOWN."""
-    return _CODE_NAMES.get(code, "UNKNOWN")
-
-
 class _RoutedCall:
     """The upstream a call is at, counted in its load and reported to the call's scope
     (one upstream attempt each), and its one failover."""
@@ -221,8 +215,8 @@ class _RoutedCall:
 def peek_infer_request(raw: bytes | memoryview, max_fields: int) -> InferRequestHead:
     """The routing fields of a ModelInferRequest; INVALID_ARGUMENT if it does not parse."""
     try:
-        head = infer_wire.peek_request(raw, max_fields)
-    except infer_wire.WireError as e:
+        head = wire.peek_request(raw, max_fields)
+    except wire.WireError as e:
         raise errors.InvalidArgument(f"malformed ModelInferRequest: {e}") from None
     if not head.model_name:
         raise errors.InvalidArgument("ModelInferRequest has no model_name")
@@ -238,15 +232,10 @@ def request_cost(unit: CostUnit, head: InferRequestHead, size: int) -> float:
 def dispatch_fragment(level: int, remaining_s: float | None) -> bytes:
     """The bytes appended to a request at dispatch: Triton's priority `level`, and its
     timeout from the seconds left to the deadline (DEADLINE_EXCEEDED if none are)."""
-    fragment = infer_wire.priority_fragment(level)
+    fragment = wire.priority_fragment(level)
     if remaining_s is None:
         return fragment
     if remaining_s <= 0:
         raise errors.DeadlineExceeded("deadline passed before dispatch to Triton")
-    return fragment + infer_wire.timeout_fragment(int(remaining_s * 1_000_000))
+    return fragment + wire.timeout_fragment(int(remaining_s * 1_000_000))
 
-
-def refusal(error: BaseException) -> Refuse:
-    """The relay's answer for a refused call: the error table's status and details."""
-    code, message, details = status.status_bytes(error)
-    return Refuse(code, message, details=details)

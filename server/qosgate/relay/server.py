@@ -19,28 +19,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from qosgate.auth import ConnectionCredentials
-from qosgate.relay import framing, http2
 from qosgate.relay.messages import Handler, ServerStream
-from qosgate.relay.peer import Flusher, Peer, Pipe
-from qosgate.relay.policy import (
+from qosgate.relay.policy import CONNECTION_FULL, CallEnd, CallHead, CallPolicy, Decision, Forward
+from qosgate.tls import PEER_HEADER_PREFIX, certificate_headers, peer_certificate
+from qosgate.transport import framing, http2
+from qosgate.transport.peer import Flusher, Peer, Pipe
+from qosgate.transport.status import (
+    CUT_SHORT,
     DEADLINE_EXCEEDED,
     INTERNAL,
     RESOURCE_EXHAUSTED,
     UNAVAILABLE,
     UNIMPLEMENTED,
-    CONNECTION_FULL,
-    CUT_SHORT,
-    CallEnd,
-    CallHead,
-    CallPolicy,
-    Decision,
-    Forward,
     Refuse,
     bounded_messages,
     status_headers,
 )
-from qosgate.relay.upstream import UpstreamConnection, UpstreamPool
-from qosgate.tls import PEER_HEADER_PREFIX, certificate_headers, peer_certificate
+from qosgate.upstream.connections import ConnectionPool, UpstreamConnection
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +53,7 @@ class Route:
     a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED."""
 
     prefix: bytes
-    pool: UpstreamPool
+    pool: ConnectionPool
     policy: CallPolicy | None = None
     max_response_size: int = _UNBOUNDED
 
@@ -292,7 +287,7 @@ class Call:
 
     # -- upstream ---------------------------------------------------------------------------
 
-    def forward(self, pool: UpstreamPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
+    def forward(self, pool: ConnectionPool, headers: Sequence[http2.Header], end_stream: bool) -> None:
         self.sent_headers = headers
         up = pool.pick()
         if up is None:
@@ -567,23 +562,23 @@ class Relay:
         self.max_connection_pending = max_connection_pending
         self.flusher = Flusher()
         self.loop = asyncio.get_running_loop()
-        self._pools: list[UpstreamPool] = []
+        self._pools: list[ConnectionPool] = []
         self.clients: set[DownstreamConnection] = set()
         # Handlers serving calls (`serve` routes), awaited at close.
         self.serving: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
-    def upstream(self, address: str, *, connections: int = 2, tls: ssl.SSLContext | None = None) -> UpstreamPool:
+    def upstream(self, address: str, *, connections: int = 2, tls: ssl.SSLContext | None = None) -> ConnectionPool:
         """A pool of connections to `address` (`host:port` or `unix:/path`, over TLS with
         `tls`); start() it."""
-        pool = UpstreamPool(self.flusher, address, size=connections, tls=tls)
+        pool = ConnectionPool(self.flusher, address, size=connections, tls=tls)
         self._pools.append(pool)
         return pool
 
     def route(
         self,
         prefix: bytes,
-        pool: UpstreamPool,
+        pool: ConnectionPool,
         policy: CallPolicy | None = None,
         *,
         max_response_size: int = _UNBOUNDED,

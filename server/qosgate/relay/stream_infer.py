@@ -39,17 +39,19 @@ from qosgate.config import GatewayConfig
 from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
 from qosgate.memory import HeapTrimmer
 from qosgate.quota import Refused, StreamLimiter
-from qosgate.relay import framing, http2
-from qosgate.relay import upstream as relay_upstream
-from qosgate.relay.infer_policy import ModelFacts, code_name, peek_infer_request, refusal, request_cost
-from qosgate.relay.messages import OK_STATUS, ClientStream, ServerStream, StreamError
-from qosgate.relay.policy import UNAVAILABLE, Refuse, status_headers
-from qosgate.services import infer_wire, status
-from qosgate.services.kserve import GRPC_ERROR_HEADER, PRIORITY_HEADER, STREAM_RPC
+from qosgate.error_table import row_of
+from qosgate.kserve import wire
+from qosgate.kserve.names import GRPC_ERROR_HEADER, PRIORITY_HEADER, STREAM_INFER, path
+from qosgate.relay.infer_policy import ModelFacts, peek_infer_request, request_cost
+from qosgate.relay.messages import OK_STATUS, ServerStream
+from qosgate.transport import framing, http2
+from qosgate.transport.messages import StreamError
+from qosgate.transport.status import UNAVAILABLE, Refuse, code_name, refusal, status_headers, status_of
 from qosgate.upstream import Upstream, UpstreamPool
-from qosgate.upstream.pool import SERVICE
+from qosgate.upstream.connections import ClientStream, ConnectionPool
 
-PATH = f"/{SERVICE}/{STREAM_RPC}".encode()
+STREAM_RPC = STREAM_INFER
+PATH = path(STREAM_INFER)
 _GRPC_ERROR = GRPC_ERROR_HEADER.encode()
 
 
@@ -63,7 +65,7 @@ class StreamInferHandler:
         config: GatewayConfig,
         plane: DataPlane,
         pool: UpstreamPool,
-        connections: Mapping[str, relay_upstream.UpstreamPool],
+        connections: Mapping[str, ConnectionPool],
         streams: StreamLimiter,
         heap: HeapTrimmer,
     ) -> None:
@@ -85,7 +87,7 @@ class StreamInferHandler:
         try:
             tenant = self.plane.directory.identify(metadata, stream.certificate)
         except errors.GatewayError as e:
-            self.plane.metrics.rejected(status.row_of(e).reason, "", "")
+            self.plane.metrics.rejected(row_of(e).reason, "", "")
             return status_headers(refusal(e))
         # Text headers by key, a repeated key keeping its last value; none read is binary.
         headers = {key: value for key, value in metadata if not key.endswith("-bin")}
@@ -161,6 +163,14 @@ class _Outbox:
         if not self.full():
             self.flowing.set()
         return item
+
+
+def _in_band_message(error: BaseException) -> str:
+    """The `error_message` of an in-band ModelStreamInferResponse: KServe streams report a
+    failed request inside the stream and keep it open, so the code cannot travel as a
+    status: it leads the text instead ("RESOURCE_EXHAUSTED: ...")."""
+    code, message, _ = status_of(error)
+    return f"{code_name(code)}: {message}"
 
 
 def _stream_error(request_id: str, message: str) -> bytes:
@@ -300,7 +310,7 @@ class _Session:
         try:
             head = peek_infer_request(raw, self._limits.max_request_fields)
         except errors.InvalidArgument as e:  # a call of no model, refused like any other
-            head, malformed = infer_wire.InferRequestHead(), e
+            head, malformed = wire.InferRequestHead(), e
         try:
             async with h.plane.open(STREAM_RPC, self._tenant, head.model_name, self._headers) as scope:
                 if malformed is not None:
@@ -315,10 +325,10 @@ class _Session:
                 self._fatal = status_headers(refusal(e))
                 self._outbox.close()
             else:
-                await self._outbox.put(_stream_error(head.id, status.stream_error_message(e)))
+                await self._outbox.put(_stream_error(head.id, _in_band_message(e)))
 
     async def _dispatch(
-        self, scope: CallScope, call: ClientStream, head: infer_wire.InferRequestHead, raw: bytes
+        self, scope: CallScope, call: ClientStream, head: wire.InferRequestHead, raw: bytes
     ) -> None:
         """Admit the request, send it up the stream and wait for its final response; the
         reader (`_read`) reports its responses to the scope."""
@@ -326,9 +336,9 @@ class _Session:
         cost = CallCost(fair_share=request_cost(h.models.cost_unit(head.model_name), head, len(raw)))
         deadline = h.plane.deadline(self._stream.time_remaining())
         dispatch = await scope.admit(cost, priority_class=self._headers.get(PRIORITY_HEADER), deadline=deadline)
-        fragment = infer_wire.priority_fragment(dispatch.priority_level)
+        fragment = wire.priority_fragment(dispatch.priority_level)
         if scope.timeout_us is not None:
-            fragment += infer_wire.timeout_fragment(scope.timeout_us)
+            fragment += wire.timeout_fragment(scope.timeout_us)
         gateway_id = f"{self._prefix}{next(self._ids)}"
         entry = _InFlight(head.id, head.wants_empty_final, scope)
         self._in_flight[gateway_id] = entry
@@ -339,7 +349,7 @@ class _Session:
             try:
                 async with self._write_lock:
                     await call.write(
-                        raw, fragment, infer_wire.id_fragment(gateway_id), infer_wire.empty_final_fragment()
+                        raw, fragment, wire.id_fragment(gateway_id), wire.empty_final_fragment()
                     )
             except StreamError as e:
                 # The upstream stream ended under us: the reader reports it to the caller.
@@ -356,7 +366,7 @@ class _Session:
     async def _read(self, call: ClientStream) -> None:
         try:
             while (raw := await call.read()) is not None:
-                head = infer_wire.peek_stream_response(raw)
+                head = wire.peek_stream_response(raw)
                 entry = self._in_flight.get(head.id)
                 if entry is None:
                     await self._deliver(raw)
@@ -367,7 +377,7 @@ class _Session:
                     entry.end(failed=head.is_error)
                     if not (head.has_outputs or head.is_error or entry.wants_empty_final):
                         continue  # the empty final response we asked for, not the caller
-                await self._deliver(infer_wire.with_stream_response_id(raw, entry.client_id))
+                await self._deliver(wire.with_stream_response_id(raw, entry.client_id))
         finally:
             # Requests Triton did not finish: failed if the upstream stream did. Any end
             # but OK goes to the caller, CANCELLED included (Triton gave up on the stream):

@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from google.protobuf import timestamp_pb2
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.config import BatchConfig
 from qosgate.jobs.callbacks import CallbackPolicy
 from qosgate.jobs.model import ItemKind, ItemResult, Job, JobLimits, JobStatus, NewItem
 from qosgate.jobs.runner import JobRunner
 from qosgate.jobs.store import JobStore
-from qosgate.services import status
 from qosgate.v1 import batch_pb2, embedding_pb2, generation_pb2
 
 DEFAULT_PAGE_SIZE = 20
@@ -41,7 +40,7 @@ _STATUS = {
 }
 # The runner records a failed item's domain error by class name; the one error table
 # gives its gRPC code.
-_CODE_BY_ERROR = {klass.__name__: row.code.name for klass, row in status.TABLE.items()}
+_CODE_BY_ERROR = {klass.__name__: row.code for klass, row in error_table.TABLE.items()}
 
 
 def job_limits(config: BatchConfig, tenant: str) -> JobLimits:

@@ -26,6 +26,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from qosgate import errors
+from qosgate.error_table import row_of
 from qosgate.auth import Tenant, TenantDirectory
 from qosgate.metrics import GatewayMetrics
 from qosgate.services import status
@@ -113,7 +114,7 @@ class Edge:
             # passed the caller's verified certificate on in headers (qosgate.tls).
             return self._directory.identify(metadata, certificate_from_metadata(metadata))
         except errors.GatewayError as e:
-            self._metrics.rejected(status.row_of(e).reason, "", "")
+            self._metrics.rejected(row_of(e).reason, "", "")
             raise
 
     def _parse(self, method: Method, tenant: Tenant, raw: bytes) -> Any:
@@ -122,7 +123,7 @@ class Edge:
         try:
             return method.parse(raw)
         except errors.GatewayError as e:
-            self._metrics.rejected(status.row_of(e).reason, tenant.name, "")
+            self._metrics.rejected(row_of(e).reason, tenant.name, "")
             raise
 
     def _unary_unary(self, method: Method) -> Callable[..., Any]:

@@ -24,16 +24,10 @@ from google.protobuf import message_factory
 from tritonclient.grpc import service_pb2
 
 from qosgate.auth import Tenant, TenantDirectory
-from qosgate.services import edge, status
+from qosgate.error_table import bounded
+from qosgate.services import edge
 from qosgate.upstream import Upstream, UpstreamPool
-from qosgate.upstream.pool import METHODS, SERVICE
-
-PRIORITY_HEADER = "x-priority"
-# Each request inside a stream is a data-plane call of this name (the `rpc` label).
-STREAM_RPC = "ModelStreamInfer"
-# Triton closes a stream at its first error when the caller sends this header; the
-# gateway then does the same for its own refusals.
-GRPC_ERROR_HEADER = "triton_grpc_error"
+from qosgate.kserve.names import INFER, METHODS, SERVICE, STREAM_INFER
 
 ADMIN_ONLY = frozenset(
     {
@@ -54,7 +48,7 @@ REPOSITORY_CHANGES = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 # Requests that name one model (`name`).
 MODEL_SCOPED = frozenset({"ModelReady", "ModelMetadata", "ModelConfig"})
 # Served by the relay in front of this server (relay/infer_policy.py, relay/stream_infer.py).
-RELAYED = frozenset({"ModelInfer", STREAM_RPC})
+RELAYED = frozenset({INFER, STREAM_INFER})
 _REQUEST_TYPES = {
     m.name: message_factory.GetMessageClass(m.input_type)
     for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
@@ -137,7 +131,7 @@ class KServeService:
         if error.code() is grpc.StatusCode.UNAVAILABLE:
             # The upstream may have gone away: check it now, not at the next poll.
             self._pool.recheck(upstream)
-        await context.abort(error.code(), status.bounded(error.details() or ""), error.trailing_metadata() or ())
+        await context.abort(error.code(), bounded(error.details() or ""), error.trailing_metadata() or ())
 
 
 

@@ -50,16 +50,15 @@ from tritonclient.grpc import service_pb2
 
 from qosgate.config import RoutingConfig, UpstreamConfig, UpstreamTlsConfig
 from qosgate.errors import Unavailable
+from qosgate.kserve.names import METHODS, SERVICE
 from qosgate.metrics import GatewayMetrics
-from qosgate.relay import upstream as relay_upstream
+from qosgate.upstream.connections import ConnectionPool
 from qosgate.scheduler.window import EngineLoad
 from qosgate.tls import channel_credentials
 from qosgate.upstream.routing import Candidate, HashRing, Outcome, PrefixAffinity, least_loaded, routing_key
 
 log = logging.getLogger(__name__)
 
-SERVICE = "inference.GRPCInferenceService"
-METHODS = tuple(m.name for m in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods)
 _SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
 _READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
 _SERVER_LIVE_PATH = f"/{SERVICE}/ServerLive".encode()
@@ -224,7 +223,7 @@ class UpstreamPool:
         self._background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         # The relay's connections to each upstream, which the checks go over (`start`).
-        self._connections: Mapping[str, relay_upstream.UpstreamPool] = {}
+        self._connections: Mapping[str, ConnectionPool] = {}
         self._live = False
 
     @property
@@ -311,7 +310,7 @@ class UpstreamPool:
         or its model repository changed (a load or unload went through the gateway)."""
         self._spawn(self._check(upstream), f"upstream-recheck {upstream.name}")
 
-    async def start(self, connections: Mapping[str, relay_upstream.UpstreamPool]) -> None:
+    async def start(self, connections: Mapping[str, ConnectionPool]) -> None:
         """Check every upstream once over `connections` (the relay's, by upstream name; so
         the gateway starts with a known state), then poll, and check an upstream again
         whenever one of its connections opens or is lost."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from qosgate import errors
+from qosgate import error_table, errors
 from qosgate.auth import TenantDirectory
 from qosgate.config import parse_config
 from qosgate.openai_api.errors import HTTP_BY_REASON, http_error
-from qosgate.services import status
 
 ROWS = [
     (errors.Unauthenticated("invalid API key"), 401, "authentication_error"),
@@ -27,7 +26,7 @@ ROWS = [
 
 
 def test_every_row_of_the_grpc_table_has_an_http_form() -> None:
-    assert {row.reason for row in status.TABLE.values()} == set(HTTP_BY_REASON)
+    assert {row.reason for row in error_table.TABLE.values()} == set(HTTP_BY_REASON)
 
 
 @pytest.mark.parametrize(("error", "code", "kind"), ROWS, ids=lambda v: type(v).__name__)
@@ -36,14 +35,14 @@ def test_row(error: errors.GatewayError, code: int, kind: str) -> None:
     assert response.status == code
     assert response.body["error"]["type"] == kind
     assert response.body["error"]["message"] == error.message
-    assert response.body["error"]["code"] == status.row_of(error).reason
+    assert response.body["error"]["code"] == error_table.row_of(error).reason
 
 
 def test_internal_shows_an_incident_not_the_cause() -> None:
     response = http_error(RuntimeError("/etc/secret host db-7 failed"))
     assert response.status == 500
     assert "secret" not in response.body["error"]["message"]
-    assert response.body["error"]["message"].startswith(status.INTERNAL_MESSAGE)
+    assert response.body["error"]["message"].startswith(error_table.INTERNAL_MESSAGE)
 
 
 def test_retry_after_rounds_up_and_quota_names_its_limits() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from typing import ClassVar
 
-from qosgate.relay.policy import INVALID_ARGUMENT, RESOURCE_EXHAUSTED
+from qosgate.transport.status import INVALID_ARGUMENT, RESOURCE_EXHAUSTED
 
 PREFIX = 5
 

@@ -3,8 +3,9 @@
 Triton (or the gateway's own grpcio server on a unix socket) is reached over long-lived
 connections opened at start and reopened when lost (at once, then with backoff); a call
 takes a stream on the least busy one. Events of a stream go to the call that opened it
-(`StreamListener`). The gateway's own calls (health checks) are `UpstreamPool.unary`, and
-`UpstreamPool.watch` tells when a connection opens or is lost.
+(`StreamListener`): a call the relay forwards as bytes, or a `ClientStream`, a call the
+gateway makes message by message. The gateway's own calls (health checks) are
+`ConnectionPool.unary`, and `ConnectionPool.watch` tells when a connection opens or is lost.
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ import ssl
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from qosgate.relay import framing, http2
-from qosgate.relay.messages import ClientStream, StreamError
-from qosgate.relay.peer import Flusher, Peer
-from qosgate.relay.policy import DEADLINE_EXCEEDED, UNAVAILABLE
+from qosgate.transport import framing, http2
+from qosgate.transport.messages import Inbox, StreamError, Writer
+from qosgate.transport.peer import Flusher, Peer
+from qosgate.transport.status import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    UNAVAILABLE,
+    UNKNOWN,
+    Refuse,
+    bounded_messages,
+    status_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +39,10 @@ _MAX_STREAMS_ADVERTISED = 1000
 # often to a down upstream costs nothing, and the health checks wait on it to take the
 # upstream back.
 _RECONNECT_DELAYS_S = (0.05, 0.2, 0.5)
-# The largest response the gateway's own calls (`UpstreamPool.unary`) take.
+# The largest response the gateway's own calls (`ConnectionPool.unary`) take.
 _MAX_OWN_RESPONSE = 64 << 20
+_CANCEL = int(http2.ErrorCode.CANCEL)
+_REFUSED_STREAM = int(http2.ErrorCode.REFUSED_STREAM)
 
 
 class StreamListener(Protocol):
@@ -113,6 +125,110 @@ class UpstreamConnection(Peer):
             self._on_lost()
 
 
+class ClientStream:
+    """A call the gateway makes on an upstream connection, one message at a time.
+
+    `read` gives the upstream's messages, then None when the call has ended: `status` is
+    its grpc-status and `trailers` the fields to pass on to a caller (a lost connection or
+    a reset reads as UNAVAILABLE / CANCELLED / INTERNAL, as a gRPC client reports them)."""
+
+    __slots__ = ("_conn", "stream_id", "_inbox", "_writer", "status", "trailers", "ended")
+
+    def __init__(self, conn: UpstreamConnection, headers: Sequence[http2.Header], max_response_size: int) -> None:
+        self._conn = conn
+        self.status: int | None = None
+        self.trailers: Sequence[http2.Header] = ()
+        self.ended = False
+        self.stream_id = conn.open_stream(headers, self, end_stream=False)
+        self._inbox = Inbox(conn, self.stream_id, max_response_size, b"identity")
+        self._writer = Writer(conn, self.stream_id)
+
+    async def read(self) -> bytes | None:
+        try:
+            return await self._inbox.read()
+        except StreamError as e:  # a response over the size limit
+            if not self.ended:
+                self._conn.h2.reset(self.stream_id, _CANCEL)
+                self._conn.touch()
+                self._ended_with(e.refusal)
+            return None
+
+    async def write(self, *parts: bytes) -> None:
+        """Send a message (`parts` joined, so a large one is copied once) upstream;
+        StreamError once the call has ended."""
+        if self.ended:
+            raise StreamError(Refuse(self.status if self.status is not None else CANCELLED, "upstream call ended"))
+        await self._writer.write(*parts)
+
+    def done_writing(self) -> None:
+        if not self.ended:
+            self._conn.h2.end_stream(self.stream_id)
+            self._conn.touch()
+
+    def cancel(self) -> None:
+        """Cancel the call upstream (RST_STREAM), unless it has ended."""
+        if not self.ended:
+            self._conn.h2.reset(self.stream_id, _CANCEL)
+            self._conn.touch()
+            self._ended_with(Refuse(CANCELLED, "cancelled"))
+            self._inbox.close()
+
+    # -- StreamListener ---------------------------------------------------------------------
+
+    def upstream_headers(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
+        if end_stream:  # trailers-only: the status is in these headers
+            self.upstream_trailers(headers)
+            return
+        for name, value in headers:
+            if name == b"grpc-encoding":
+                self._inbox.encoding = value
+
+    def upstream_data(self, data: bytes, end_stream: bool) -> None:
+        self._inbox.feed(data, end_stream)
+        if end_stream and not self.ended:  # DATA with END_STREAM and no trailers
+            self._ended_with(Refuse(UNKNOWN, "upstream ended the call without a status"))
+
+    def upstream_trailers(self, headers: Sequence[http2.Header]) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        status = http2.header(headers, b"grpc-status")
+        self.status = int(status) if status is not None and status.isdigit() else UNKNOWN
+        self.trailers = [
+            (name, value)
+            for name, value in bounded_messages(headers)
+            if not name.startswith(b":") and name != b"content-type"
+        ]
+        self._inbox.end()
+
+    def upstream_reset(self, error_code: int) -> None:
+        if error_code == _CANCEL:
+            self._ended_with(Refuse(CANCELLED, "upstream cancelled the call"))
+        elif error_code == _REFUSED_STREAM:
+            self._ended_with(Refuse(UNAVAILABLE, "upstream refused the call"))
+        else:
+            self._ended_with(Refuse(INTERNAL, f"upstream reset the call (HTTP/2 error {error_code})"))
+        self._inbox.close()
+
+    def upstream_closed(self) -> None:
+        self._ended_with(Refuse(UNKNOWN, "upstream closed the call without a status"))
+        self._inbox.close()
+        self._writer.release()
+
+    def upstream_lost(self) -> None:
+        self._ended_with(Refuse(UNAVAILABLE, "upstream connection lost"))
+        self._inbox.close()
+        self._writer.release()
+
+    def _ended_with(self, refusal: Refuse) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.status = refusal.status
+        self.trailers = status_headers(refusal)
+        self._inbox.end()
+
+
 # Calls fill one connection before the next takes any: calls that leave together share
 # its reads and writes (one syscall, one pass of the session for all of them), where
 # spreading them evenly halves every batch. The next connection takes calls once the one
@@ -129,7 +245,7 @@ def has_room(streams: int, send_window: int) -> bool:
     return streams < SPILL_STREAMS and send_window > SPILL_WINDOW
 
 
-class UpstreamPool:
+class ConnectionPool:
     """`size` connections to one address (`host:port` or `unix:/path`), kept open; over
     TLS when given a `tls` context (its ALPN must offer h2)."""
 

@@ -7,11 +7,11 @@ import zlib
 
 import pytest
 
-from qosgate.relay import framing
-from qosgate.relay.policy import (
+from qosgate.relay.policy import CallHead
+from qosgate.transport import framing
+from qosgate.transport.status import (
     MAX_MESSAGE_BYTES,
     RESOURCE_EXHAUSTED,
-    CallHead,
     Refuse,
     bounded_messages,
     percent_encode,

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
-from qosgate.relay import http2
+from qosgate.transport import http2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,10 +1,10 @@
-"""The relay's HTTP/2 session (qosgate.relay.http2) against a real nghttp2 client session."""
+"""The HTTP/2 session (qosgate.transport.http2) against a real nghttp2 client session."""
 
 from __future__ import annotations
 
 import ngh2
 
-from qosgate.relay import http2
+from qosgate.transport import http2
 
 HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/p"), (b":authority", b"a")]
 

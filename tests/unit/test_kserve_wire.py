@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from qosgate.services import infer_wire
+from qosgate.kserve import wire
 
 MAX_FIELDS = 4096
 # An unknown length-delimited field (15) of 2 x MAX_FIELDS bytes: put in front of a request
@@ -24,8 +24,8 @@ def peek(request: pytest.FixtureRequest):
     on bytes and on a view into a larger buffer (how the relay hands over a first message)."""
     padding = _PADDING if request.param.startswith("walked") else b""
     if request.param.endswith("view"):
-        return lambda raw: infer_wire.peek_request(memoryview(b"\x00" * 5 + padding + raw)[5:], MAX_FIELDS)
-    return lambda raw: infer_wire.peek_request(padding + raw, MAX_FIELDS)
+        return lambda raw: wire.peek_request(memoryview(b"\x00" * 5 + padding + raw)[5:], MAX_FIELDS)
+    return lambda raw: wire.peek_request(padding + raw, MAX_FIELDS)
 
 
 def _request(**params: object) -> service_pb2.ModelInferRequest:
@@ -71,8 +71,8 @@ def test_appended_priority_and_timeout_override_the_callers() -> None:
     original = _request(priority=9, timeout=5, keep="me")
     raw = (
         original.SerializeToString()
-        + infer_wire.priority_fragment(2)
-        + infer_wire.timeout_fragment(1_500_000)
+        + wire.priority_fragment(2)
+        + wire.timeout_fragment(1_500_000)
     )
     merged = service_pb2.ModelInferRequest.FromString(raw)
     # The caller's int64 priority is replaced by ours (uint64, as tritonclient sends it).
@@ -90,12 +90,12 @@ def test_appended_priority_and_timeout_override_the_callers() -> None:
 
 @pytest.mark.parametrize("level", [0, 1, 4, 15, 300])
 def test_priority_fragment_encodes_any_level(level: int) -> None:
-    merged = service_pb2.ModelInferRequest.FromString(infer_wire.priority_fragment(level))
+    merged = service_pb2.ModelInferRequest.FromString(wire.priority_fragment(level))
     assert merged.parameters["priority"].uint64_param == level
 
 
 def test_id_and_empty_final_fragments(peek) -> None:
-    raw = _request().SerializeToString() + infer_wire.id_fragment("q1") + infer_wire.empty_final_fragment()
+    raw = _request().SerializeToString() + wire.id_fragment("q1") + wire.empty_final_fragment()
     merged = service_pb2.ModelInferRequest.FromString(raw)
     assert merged.id == "q1"
     assert merged.parameters["triton_enable_empty_final_response"].bool_param is True
@@ -121,9 +121,9 @@ def _stream_response(*, final: bool, outputs: bool = True, error: str = "", pad:
 
 @SIZES
 def test_peek_stream_response_final_flag_and_outputs(pad: int) -> None:
-    head = infer_wire.peek_stream_response(_stream_response(final=False, pad=pad))
+    head = wire.peek_stream_response(_stream_response(final=False, pad=pad))
     assert (head.id, head.is_final, head.has_outputs, head.is_error) == ("q5", False, True, False)
-    head = infer_wire.peek_stream_response(_stream_response(final=True, outputs=False, pad=pad))
+    head = wire.peek_stream_response(_stream_response(final=True, outputs=False, pad=pad))
     assert (head.is_final, head.has_outputs) == (True, False)
 
 
@@ -131,28 +131,28 @@ def test_peek_stream_response_final_flag_and_outputs(pad: int) -> None:
 def test_an_error_response_is_final(pad: int) -> None:
     raw = service_pb2.ModelStreamInferResponse(
         error_message="boom", infer_response=service_pb2.ModelInferResponse(id="q9")
-    ).SerializeToString() + infer_wire.len_field(2, infer_wire.len_field(8, b"x" * pad))
-    head = infer_wire.peek_stream_response(raw)
+    ).SerializeToString() + wire.len_field(2, wire.len_field(8, b"x" * pad))
+    head = wire.peek_stream_response(raw)
     assert (head.id, head.is_error, head.is_final) == ("q9", True, True)
 
 
 def test_a_response_the_runtime_refuses_is_walked() -> None:
     """An id that is not UTF-8 makes the protobuf runtime refuse the message; the walk reads it."""
-    raw = _stream_response(final=True) + infer_wire.len_field(2, infer_wire.len_field(3, b"q\xff"))
-    head = infer_wire.peek_stream_response(raw)
+    raw = _stream_response(final=True) + wire.len_field(2, wire.len_field(3, b"q\xff"))
+    head = wire.peek_stream_response(raw)
     assert (head.id, head.is_final) == ("q\ufffd", True)
 
 
 def test_stream_response_id_is_set_inside_the_one_infer_response() -> None:
     original = _stream_response(final=True)
-    raw = infer_wire.with_stream_response_id(original, "client-1")
+    raw = wire.with_stream_response_id(original, "client-1")
     parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
     assert parsed.infer_response.id == "client-1"
     assert parsed.infer_response.model_name == "smollm2"
     assert parsed.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
     # One infer_response field: a parser that keeps the last occurrence of an embedded
     # message (protobuf.js) sees the whole response too.
-    fields = [number for number, _type, _start, _end in infer_wire._fields(raw)]
+    fields = [number for number, _type, _start, _end in wire._fields(raw)]
     assert fields.count(2) == 1
     expected = service_pb2.ModelStreamInferResponse.FromString(original)
     expected.infer_response.id = "client-1"
@@ -164,8 +164,8 @@ def test_stream_response_id_after_other_fields() -> None:
     original = service_pb2.ModelStreamInferResponse(
         error_message="", infer_response=service_pb2.ModelInferResponse(id="q", model_name="m")
     ).SerializeToString()
-    unknown_field = infer_wire.varint_field(15, 7)  # a field of a newer Triton, kept as it came
-    raw = infer_wire.with_stream_response_id(unknown_field + original, "c3")
+    unknown_field = wire.varint_field(15, 7)  # a field of a newer Triton, kept as it came
+    raw = wire.with_stream_response_id(unknown_field + original, "c3")
     parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
     assert (parsed.infer_response.id, parsed.infer_response.model_name) == ("c3", "m")
     assert raw.startswith(unknown_field)
@@ -173,13 +173,13 @@ def test_stream_response_id_after_other_fields() -> None:
 
 def test_an_error_response_gets_its_id_too() -> None:
     raw = service_pb2.ModelStreamInferResponse(error_message="boom").SerializeToString()
-    parsed = service_pb2.ModelStreamInferResponse.FromString(infer_wire.with_stream_response_id(raw, "c2"))
+    parsed = service_pb2.ModelStreamInferResponse.FromString(wire.with_stream_response_id(raw, "c2"))
     assert (parsed.error_message, parsed.infer_response.id) == ("boom", "c2")
 
 
 def test_truncated_bytes_are_rejected(peek) -> None:
     raw = _request().SerializeToString()
-    with pytest.raises(infer_wire.WireError):
+    with pytest.raises(wire.WireError):
         peek(raw[:-3])
 
 
@@ -211,7 +211,7 @@ def _rich_request() -> bytes:
 def test_requests_the_protobuf_runtime_refuses_are_refused(raw: bytes, peek) -> None:
     with pytest.raises(DecodeError):
         service_pb2.ModelInferRequest.FromString(raw)
-    with pytest.raises(infer_wire.WireError):
+    with pytest.raises(wire.WireError):
         peek(raw)
 
 
@@ -246,16 +246,16 @@ def test_mutated_requests_are_refused_whenever_the_protobuf_runtime_refuses_them
     except DecodeError:
         # What Triton's parser would refuse must never be forwarded, by either path.
         for padding in (b"", _PADDING):
-            with pytest.raises(infer_wire.WireError):
-                infer_wire.peek_request(padding + bytes(raw), MAX_FIELDS)
+            with pytest.raises(wire.WireError):
+                wire.peek_request(padding + bytes(raw), MAX_FIELDS)
         return
     # What it accepts, both paths read alike (the walk may refuse more: groups, which
     # the runtime skips as unknown fields, it does not read).
     heads = []
     for padding in (b"", _PADDING):
         try:
-            heads.append(infer_wire.peek_request(padding + bytes(raw), MAX_FIELDS))
-        except infer_wire.WireError:
+            heads.append(wire.peek_request(padding + bytes(raw), MAX_FIELDS))
+        except wire.WireError:
             continue
     assert all(head == heads[0] for head in heads)
     assert heads[0].model_name == parsed.model_name
@@ -266,20 +266,20 @@ def test_field_budget_bounds_the_work_on_a_crafted_request() -> None:
     # reader stops after the budget instead of walking them all.
     crafted = service_pb2.ModelInferRequest(model_name="identity").SerializeToString()
     crafted += b"\x78\x01" * 1_000_000
-    with pytest.raises(infer_wire.TooManyFields, match="more than 4096 fields"):
-        infer_wire.peek_request(crafted, MAX_FIELDS)
+    with pytest.raises(wire.TooManyFields, match="more than 4096 fields"):
+        wire.peek_request(crafted, MAX_FIELDS)
 
 
 def test_field_budget_counts_fields_inside_parameters() -> None:
     # A parameters entry whose value holds many fields spends the same budget.
-    key = infer_wire.EMPTY_FINAL_PARAM.encode()
+    key = wire.EMPTY_FINAL_PARAM.encode()
     entry = b"\x0a" + bytes([len(key)]) + key + b"\x12\xca\x01" + b"\x78\x01" * 100 + b"\x08\x01"
     raw = service_pb2.ModelInferRequest(model_name="identity").SerializeToString()
     raw += b"\x22" + bytes([len(entry) & 0x7F | 0x80, len(entry) >> 7]) + entry
-    assert service_pb2.ModelInferRequest.FromString(raw).parameters[infer_wire.EMPTY_FINAL_PARAM].bool_param
-    assert infer_wire.peek_request(raw, 500).model_name == "identity"
-    with pytest.raises(infer_wire.TooManyFields):
-        infer_wire.peek_request(raw, 50)
+    assert service_pb2.ModelInferRequest.FromString(raw).parameters[wire.EMPTY_FINAL_PARAM].bool_param
+    assert wire.peek_request(raw, 500).model_name == "identity"
+    with pytest.raises(wire.TooManyFields):
+        wire.peek_request(raw, 50)
 
 
 def test_a_real_request_fits_the_default_budget_with_room() -> None:
@@ -287,4 +287,4 @@ def test_a_real_request_fits_the_default_budget_with_room() -> None:
     for i in range(500):  # 500 tensors: two top-level fields each
         request.inputs.add(name=f"IN{i}", datatype="FP32", shape=[1])
         request.raw_input_contents.append(b"\x00" * 4)
-    assert infer_wire.peek_request(request.SerializeToString(), MAX_FIELDS).model_name == "minilm"
+    assert wire.peek_request(request.SerializeToString(), MAX_FIELDS).model_name == "minilm"
