@@ -37,9 +37,9 @@ ROOT = paths.project_root()
 BUILDS = paths.cache_dir() / "clients"
 LANGUAGES = ("go", "java", "cpp")
 COMMANDS = ("generate", "stream", "embed", "batch", "infer")
-# A tenant per language whose first call spends its burst: the next is refused and told
-# to wait up to 1 / QUOTA_RATE seconds, long enough that a JVM's start does not outlast it.
-QUOTA_RATE = 0.15
+# A tenant per language with a burst of one: of two calls in a row (`--repeat 2`) the
+# second is refused and told to wait up to 1 / QUOTA_RATE seconds.
+QUOTA_RATE = 0.5
 WRONG_KEY = "not-a-key-3f9a"
 BLOCK = re.compile(r"<!-- (example|excerpt|walkthrough): (.+?) -->\n```\w*\n(.*?)```", re.S)
 
@@ -294,14 +294,15 @@ def test_wrong_key_reads_unauthenticated_and_is_never_printed(example: Example, 
 
 def test_over_quota_reads_retry_info_and_the_retry_waits_it(example: Example, gateway: GatewayThread) -> None:
     key = quota_key(example.language)
-    assert echoed(example.run(gateway, "infer", "1", key=key)) == [1.0]
-    refused = example.run(gateway, "--retries", "0", "infer", "1", key=key)
+    refused = example.run(gateway, "--retries", "0", "--repeat", "2", "infer", "1", key=key)
     assert refused.returncode == 1
+    assert refused.stdout.count("OUTPUT0") == 1  # the first call spent the burst
     match = re.search(r"error: RESOURCE_EXHAUSTED: .*\(retry after (\d+\.\d+) s\)", refused.stderr)
     assert match, refused.stderr
     assert 0 < float(match[1]) <= 1 / QUOTA_RATE
-    retried = example.run(gateway, "--retries", "3", "infer", "2", key=key)
-    assert echoed(retried) == [2.0]
+    retried = example.run(gateway, "--retries", "3", "--repeat", "2", "infer", "2", key=key)
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout.count("OUTPUT0 ") == 2
     waits = [float(w) for w in re.findall(r"retrying in (\d+\.\d+) s after RESOURCE_EXHAUSTED", retried.stderr)]
     assert waits, retried.stderr
     assert all(0 < wait <= 1 / QUOTA_RATE for wait in waits)

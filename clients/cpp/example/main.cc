@@ -32,6 +32,7 @@ flags:
   --deadline-ms N    deadline of each call, retries included (default 60000)
   --retries N        retries of a call refused with RESOURCE_EXHAUSTED or UNAVAILABLE (default 3)
   --max-tokens N     most tokens to generate (default 32)
+  --repeat N         run the command N times in a row (a quota's refusal and the retry show)
 
 environment: QOSGATE_API_KEY (the tenant's key, required), QOSGATE_TARGET
 )";
@@ -233,6 +234,27 @@ int Infer(qosgate::Client& client, const std::vector<std::string>& numbers) {
   return 0;
 }
 
+int RunCommand(qosgate::Client& client, const std::string& command,
+               const std::vector<std::string>& operands,
+               const qosgate::v1::SamplingParams& sampling) {
+  if (command == "generate" && operands.size() == 1) {
+    return Generate(client, operands[0], sampling);
+  }
+  if (command == "stream" && operands.size() == 1) {
+    return Stream(client, operands[0], sampling);
+  }
+  if (command == "embed" && !operands.empty()) {
+    return Embed(client, operands);
+  }
+  if (command == "batch" && operands.size() == 2) {
+    return Batch(client, operands[0], operands[1], sampling);
+  }
+  if (command == "infer" && !operands.empty()) {
+    return Infer(client, operands);
+  }
+  throw std::invalid_argument("unknown command or wrong arguments: '" + command + "'");
+}
+
 int Run(int argc, char** argv) {
   const char* env_target = std::getenv("QOSGATE_TARGET");
   const char* env_key = std::getenv("QOSGATE_API_KEY");
@@ -247,6 +269,7 @@ int Run(int argc, char** argv) {
   qosgate::v1::SamplingParams sampling;
   sampling.set_max_tokens(32);
   sampling.set_temperature(0);  // greedy
+  long repeat = 1;
   int next = 1;
   for (; next < argc && std::strncmp(argv[next], "--", 2) == 0; next += 2) {
     const std::string flag = argv[next];
@@ -266,29 +289,23 @@ int Run(int argc, char** argv) {
       options.retries = static_cast<int>(Count(flag, value));
     } else if (flag == "--max-tokens") {
       sampling.set_max_tokens(static_cast<std::uint32_t>(Count(flag, value)));
+    } else if (flag == "--repeat") {
+      repeat = Count(flag, value);
     } else {
       throw std::invalid_argument("unknown flag " + flag);
     }
   }
+  if (repeat == 0) {
+    throw std::invalid_argument("--repeat takes a whole number >= 1");
+  }
   const std::string command = next < argc ? argv[next] : "";
   const std::vector<std::string> operands(argv + std::min(next + 1, argc), argv + argc);
   qosgate::Client client(options);
-  if (command == "generate" && operands.size() == 1) {
-    return Generate(client, operands[0], sampling);
+  int status = 0;
+  for (long n = 0; n < repeat && status == 0; ++n) {
+    status = RunCommand(client, command, operands, sampling);
   }
-  if (command == "stream" && operands.size() == 1) {
-    return Stream(client, operands[0], sampling);
-  }
-  if (command == "embed" && !operands.empty()) {
-    return Embed(client, operands);
-  }
-  if (command == "batch" && operands.size() == 2) {
-    return Batch(client, operands[0], operands[1], sampling);
-  }
-  if (command == "infer" && !operands.empty()) {
-    return Infer(client, operands);
-  }
-  throw std::invalid_argument("unknown command or wrong arguments: '" + command + "'");
+  return status;
 }
 
 }  // namespace

@@ -53,12 +53,16 @@ func run(args []string) int {
 	deadlineMs := flags.Int("deadline-ms", 60000, "deadline of each call, retries included")
 	retries := flags.Int("retries", 3, "retries of a call refused with RESOURCE_EXHAUSTED or UNAVAILABLE")
 	maxTokens := flags.Uint("max-tokens", 32, "most tokens to generate")
+	repeat := flags.Uint("repeat", 1, "run the command this many times in a row (a quota's refusal and the retry show)")
 	if err := flags.Parse(args); err != nil {
 		return 2
 	}
 	if flags.NArg() == 0 {
 		flags.Usage()
 		return 2
+	}
+	if *repeat == 0 {
+		return misuse(flags, "--repeat takes a whole number >= 1")
 	}
 	client, err := qosgate.Dial(qosgate.Options{
 		Target:        *target,
@@ -78,23 +82,25 @@ func run(args []string) int {
 	sampling := &v1.SamplingParams{MaxTokens: proto32(uint32(*maxTokens)), Temperature: new(float32)} // greedy
 	command, operands := flags.Arg(0), flags.Args()[1:]
 	ctx := context.Background()
-	switch {
-	case command == "generate" && len(operands) == 1:
-		err = generate(ctx, client, operands[0], sampling)
-	case command == "stream" && len(operands) == 1:
-		err = stream(ctx, client, operands[0], sampling)
-	case command == "embed" && len(operands) > 0:
-		err = embed(ctx, client, operands)
-	case command == "batch" && len(operands) == 2:
-		err = batch(ctx, client, operands[0], operands[1], sampling)
-	case command == "infer" && len(operands) > 0:
-		values, bad := numbers(operands)
-		if bad != nil {
-			return misuse(flags, bad.Error())
+	for n := uint(0); n < *repeat && err == nil; n++ {
+		switch {
+		case command == "generate" && len(operands) == 1:
+			err = generate(ctx, client, operands[0], sampling)
+		case command == "stream" && len(operands) == 1:
+			err = stream(ctx, client, operands[0], sampling)
+		case command == "embed" && len(operands) > 0:
+			err = embed(ctx, client, operands)
+		case command == "batch" && len(operands) == 2:
+			err = batch(ctx, client, operands[0], operands[1], sampling)
+		case command == "infer" && len(operands) > 0:
+			values, bad := numbers(operands)
+			if bad != nil {
+				return misuse(flags, bad.Error())
+			}
+			err = infer(ctx, client, values)
+		default:
+			return misuse(flags, "unknown command or wrong arguments: "+strings.Join(flags.Args(), " "))
 		}
-		err = infer(ctx, client, values)
-	default:
-		return misuse(flags, "unknown command or wrong arguments: "+strings.Join(flags.Args(), " "))
 	}
 	if err != nil {
 		report(err)

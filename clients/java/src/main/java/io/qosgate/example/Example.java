@@ -55,6 +55,7 @@ public final class Example {
           "  --deadline-ms N    deadline of each call, retries included (default 60000)",
           "  --retries N        retries of a call refused with RESOURCE_EXHAUSTED or UNAVAILABLE (default 3)",
           "  --max-tokens N     most tokens to generate (default 32)",
+          "  --repeat N         run the command N times in a row (a quota's refusal and the retry show)",
           "",
           "environment: QOSGATE_API_KEY (the tenant's key, required), QOSGATE_TARGET");
 
@@ -71,6 +72,7 @@ public final class Example {
     long deadlineMs = 60000;
     int retries = 3;
     int maxTokens = 32;
+    long repeat = 1;
     int next = 0;
     try {
       for (; next < args.length && args[next].startsWith("--"); next += 2) {
@@ -85,8 +87,12 @@ public final class Example {
           case "--deadline-ms" -> deadlineMs = count(args[next], value);
           case "--retries" -> retries = (int) count(args[next], value);
           case "--max-tokens" -> maxTokens = (int) count(args[next], value);
+          case "--repeat" -> repeat = count(args[next], value);
           default -> throw new IllegalArgumentException("unknown flag " + args[next]);
         }
+      }
+      if (repeat == 0) {
+        throw new IllegalArgumentException("--repeat takes a whole number >= 1");
       }
     } catch (IllegalArgumentException bad) {
       System.err.println("error: " + bad.getMessage() + "\n" + USAGE);
@@ -109,18 +115,20 @@ public final class Example {
                 (code, wait) ->
                     System.err.printf("retrying in %.3f s after %s%n", seconds(wait), code));
     try (QosgateClient client = QosgateClient.connect(options)) {
-      switch (command) {
-        case "generate" -> generate(client, single(operands), sampling);
-        case "stream" -> stream(client, single(operands), sampling);
-        case "embed" -> embed(client, some(operands));
-        case "batch" -> {
-          if (operands.size() != 2) {
-            throw new IllegalArgumentException("batch takes a prompt and a text");
+      for (long n = 0; n < repeat; n++) {
+        switch (command) {
+          case "generate" -> generate(client, single(operands), sampling);
+          case "stream" -> stream(client, single(operands), sampling);
+          case "embed" -> embed(client, some(operands));
+          case "batch" -> {
+            if (operands.size() != 2) {
+              throw new IllegalArgumentException("batch takes a prompt and a text");
+            }
+            batch(client, operands.get(0), operands.get(1), sampling);
           }
-          batch(client, operands.get(0), operands.get(1), sampling);
+          case "infer" -> infer(client, some(operands));
+          default -> throw new IllegalArgumentException("unknown command '" + command + "'");
         }
-        case "infer" -> infer(client, some(operands));
-        default -> throw new IllegalArgumentException("unknown command '" + command + "'");
       }
     } catch (StatusRuntimeException failure) {
       report(failure);
