@@ -146,6 +146,13 @@ class Gateway:
         self.streams = StreamLimiter(config.limits.max_streams_per_tenant)
         self.heap = HeapTrimmer()
         self.state_dir = config.state_directory()
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"state_dir {self.state_dir}: cannot create it: {e.strerror}; "
+                "set `state_dir` to a directory this user may write"
+            ) from None
         self.ledger = UsageLedger(config.usage_db or self.state_dir / "usage.sqlite3", wall_time=time.time)
         # With Redis, budgets and GetUsage count the day's usage of every gateway.
         self.usage = UsageMeter(self.ledger, wall_time=time.time, shared=self._shared_quota)
@@ -260,7 +267,6 @@ class Gateway:
         # The relay owns `listen` and hands every call it does not serve itself to this
         # server, which only it can reach (a directory of this process's user only, in the
         # state directory: the one place the gateway writes).
-        self.state_dir.mkdir(parents=True, exist_ok=True)
         self._grpcio_dir = tempfile.TemporaryDirectory(prefix="grpcio-", dir=self.state_dir)
         socket_path = f"{self._grpcio_dir.name}/grpcio.sock"
         if len(os.fsencode(socket_path)) > _MAX_UNIX_PATH:

@@ -230,7 +230,14 @@ def created_by(uid: int, root: pathlib.Path) -> set[pathlib.Path]:
     """What `uid` owns under `root` and in the places any user may write: there only at
     the top, since anything deeper is inside a folder it made (and owns)."""
     tops = [entry for place in map(pathlib.Path, WORLD_WRITABLE) if place.is_dir() for entry in place.iterdir()]
-    return {p for p in [*tops, *root.rglob("*")] if p.lstat().st_uid == uid}
+    found = set()
+    for path in [*tops, *root.rglob("*")]:
+        try:
+            if path.lstat().st_uid == uid:
+                found.add(path)
+        except FileNotFoundError:
+            continue  # another process's temporary file, gone since it was listed
+    return found
 
 
 def test_the_image_serves_as_an_unprivileged_user_writing_only_its_state(

@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 from qosgate import paths
+from qosgate.cli import main
 from qosgate.config import parse_config
 
 
@@ -33,3 +34,17 @@ def test_an_installed_copy_keeps_its_state_in_the_users_data_directory(
 def test_state_dir_in_the_config_wins() -> None:
     assert parse_config({"state_dir": "/var/lib/qosgate"}).state_directory() == pathlib.Path("/var/lib/qosgate")
     assert parse_config({}).state_directory() == paths.default_state_dir()
+
+
+def test_a_state_dir_that_cannot_be_made_is_a_clear_error(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"state_dir: {blocker}/state\nlisten: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == (
+        f"state_dir {blocker}/state: cannot create it: Not a directory; "
+        "set `state_dir` to a directory this user may write\n"
+    )
