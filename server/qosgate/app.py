@@ -60,6 +60,7 @@ from qosgate.relay.infer_policy import InferAdmissionPolicy
 from qosgate.relay.server import Relay
 from qosgate.relay.stream_infer import StreamInferHandler
 from qosgate.scheduler import Scheduler
+from qosgate.scheduler.cluster import ClusterExchange
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
 from qosgate.services.edge import Edge, servicer_methods
@@ -142,6 +143,12 @@ class Gateway:
             else None
         )
         quota_store: QuotaStore = self._shared_quota or InMemoryQuotaStore()
+        # Gateways sharing Redis share each model's fair share too (scheduler/cluster.py).
+        self._cluster = (
+            ClusterExchange(self._shared_quota, self.scheduler.cluster_report, self.scheduler.cluster_update)
+            if self._shared_quota is not None
+            else None
+        )
         self.admission = Admission(quota_store, self.clock)
         self.streams = StreamLimiter(config.limits.max_streams_per_tenant)
         self.heap = HeapTrimmer()
@@ -281,6 +288,8 @@ class Gateway:
         tritons = await self._open_relay()
         await self.pool.start(tritons)
         self._engine_load.start()
+        if self._cluster is not None:
+            self._cluster.start()
         self.metrics.watch(
             self.scheduler.snapshot, lambda: ((u.name, u.live) for u in self.pool.upstreams)
         )
@@ -422,6 +431,8 @@ class Gateway:
             await asyncio.gather(self._batch_task, return_exceptions=True)
             self._batch_task = None
         await self._engine_load.close()
+        if self._cluster is not None:
+            await self._cluster.close()
         self.heap.close()
         await self.pool.close()
         if self._shared_quota is not None:

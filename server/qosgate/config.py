@@ -324,6 +324,12 @@ class SchedulerConfig(_Frozen):
     other models the unit of their `cost_unit`) or `requests` (every request counts 1)."""
     output_token_weight: float = Field(default=2.0, ge=0)
     """Cost of an output token against a prompt token in an LLM request's cost (VTC's w)."""
+    latency_objective: dict[str, float] = Field(default_factory=dict)
+    """Per class, the first-response latency it may reach under load, as a multiple of
+    its unloaded latency (e.g. `{critical: 2.0}`): while the class is active and slower,
+    the classes below it get less of each `auto` window (their requests wait in the
+    gateway); none by default (a higher class is protected by its reserved slots and the
+    engine's own priority, and lower classes keep the engine at full throughput)."""
 
 
 class RoutingConfig(_Frozen):
@@ -365,12 +371,13 @@ class ModelPolicy(_Frozen):
     dispatch_window: int | Literal["auto"] = "auto"
     """Requests in flight at Triton for this model; the rest wait in the gateway's queues.
     `auto`: sized by the gateway between `window_min` and `window_max` from the engine's
-    saturation (waiting queue, KV-cache use) and the latency of recent dispatches."""
+    saturation (its waiting queue or a batcher's pending requests, KV-cache use), with
+    caps on classes for fair share and latency objectives (README, "dispatch_window: auto")."""
     window_min: int = Field(default=2, ge=1)
     """Smallest window `auto` shrinks to."""
-    window_max: int = Field(default=64, ge=1)
-    """Largest window `auto` grows to; keep it at most the engine's batch limit
-    (vLLM `max_num_seqs`)."""
+    window_max: int = Field(default=256, ge=1)
+    """Largest window `auto` grows to. The engine's saturation (its waiting queue, its
+    KV cache) stops the window first: this only bounds an engine that reports neither."""
     cost_unit: CostUnit = "request"
     """Fair-share cost of a request without token counts (embedding and KServe calls):
     `request` 1 each, `text` 1 per input text (an embedding call) or batch row (the first
@@ -703,6 +710,11 @@ class GatewayConfig(_Frozen):
                 yield unknown(f"scheduler.max_queue_length_by_class.{klass}", klass)
             elif length < 1:
                 yield _FieldProblem(f"scheduler.max_queue_length_by_class.{klass}", "must be >= 1")
+        for klass, objective in sched.latency_objective.items():
+            if klass not in levels:
+                yield unknown(f"scheduler.latency_objective.{klass}", klass)
+            elif not objective > 1:
+                yield _FieldProblem(f"scheduler.latency_objective.{klass}", "must be above 1 (a multiple of the unloaded latency)")
         policies = {f"models.{name}": policy for name, policy in self.models.items()}
         policies["default_model_policy"] = self.default_model_policy
         for where, policy in policies.items():

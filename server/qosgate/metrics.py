@@ -86,6 +86,15 @@ class _ScrapeTimeCollector(Collector):
         for model, size in snapshot.window.items():
             if label(model) == model:  # windows do not add up: unknown models are left out
                 window.add_metric((model,), size)
+        capped = GaugeMetricFamily(
+            "qosgate_class_cap",
+            "Requests a class may have in flight where an `auto` window holds it below its "
+            "share: its fair-share cap, or its latency-objective cap (absent when neither does)",
+            labels=("model", "class"),
+        )
+        for (model, klass), cap in snapshot.capped.items():
+            if label(model) == model:
+                capped.add_metric((model, klass), cap)
         served = CounterMetricFamily(
             "qosgate_tenant_service",
             "Cost of the requests a tenant finished, as the fair share counts it: weighted "
@@ -104,7 +113,7 @@ class _ScrapeTimeCollector(Collector):
         )
         for name, is_live in self._upstreams():
             live.add_metric((name,), 1 if is_live else 0)
-        yield from (depth, in_flight, window, served, live)
+        yield from (depth, in_flight, window, capped, served, live)
 
 
 class _Counter:

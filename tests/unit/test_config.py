@@ -160,7 +160,8 @@ def test_defaults() -> None:
     assert config.floor_share("critical") == 0.0 and config.floor_share("batch") == 0.05
     policy = config.default_model_policy
     assert policy.dispatch_window == "auto" and initial_window(policy) == 8
-    assert (policy.window_min, policy.window_max, policy.cost_unit) == (2, 64, "request")
+    assert (policy.window_min, policy.window_max, policy.cost_unit) == (2, 256, "request")
+    assert config.scheduler.latency_objective == {}
     assert config.scheduler.fair_share == "cost" and config.scheduler.output_token_weight == 2.0
     assert config.limits.max_request_bytes == config.limits.max_response_bytes == 64 << 20
     assert config.limits.max_streams_per_tenant == 32

@@ -33,7 +33,8 @@ def _exported() -> set[str]:
     metrics.routed("m", "u", "least_loaded")
     metrics.failover("m", "u", "retried")
     snapshot = SchedulerSnapshot(
-        queued={("m", "c", "t"): 1}, in_flight={"m": 1}, window={"m": 4}, served={("m", "t"): 1.0}
+        queued={("m", "c", "t"): 1}, in_flight={"m": 1}, window={"m": 4}, served={("m", "t"): 1.0},
+        capped={("m", "c"): 2},
     )
     metrics.watch(lambda: snapshot, lambda: [("u", True)])
     text = generate_latest(metrics.registry).decode()

@@ -316,7 +316,7 @@ def test_work_over_a_shrunk_window_does_not_take_the_slots_reserved_above_it() -
     assert [w.state for w in vip] == [WaiterState.DISPATCHED] * 2 + [WaiterState.QUEUED]
     assert h.submit("app", "interactive").state is WaiterState.QUEUED
     assert h.core.snapshot().in_flight == {MODEL: 6}
-    assert h.core.window_pressure(MODEL)[0]
+    assert h.core.pressure(MODEL, h.clock.now()).limited
     # Batch finishing first frees nothing for anyone while it is still over its limit...
     assert h.release(flood[0]) == [] and h.release(flood[1]) == []
     # ...then the queued critical request goes first, and batch waits below its limit.
@@ -340,7 +340,7 @@ def test_an_exclusive_class_holds_the_classes_below_while_it_is_in_flight(exclus
     # Held in the gateway though the window has room, and not by it: an `auto` window
     # must not grow for them.
     assert [w.state for w in later] == [WaiterState.QUEUED] * 2
-    assert not h.core.window_pressure(MODEL)[0]
+    assert not h.core.pressure(MODEL, h.clock.now()).limited
     assert h.submit("vip", "critical").state is WaiterState.DISPATCHED  # its own class goes
     assert h.release(h.in_flight[0]) == []  # batch work finishing frees nothing for them
     assert h.release(vip) == []  # the other critical request still holds them

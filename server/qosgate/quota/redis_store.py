@@ -17,6 +17,8 @@ ready for Redis Cluster (this store connects to one server).
 - `<prefix>:{t}:slots`               sorted set: concurrency slot id → lease expiry
 - `<prefix>:{t}:day:<YYYY-MM-DD>`    hash: the UTC day's usage (requests, prompt and
   completion tokens), what `daily_token_budget` counts; kept for 3 days
+- `<prefix>:{share}:reports`, `<prefix>:{share}:beats`  hash and sorted set: each live
+  gateway's fair-share report (scheduler/cluster.py) and when it last wrote one
 Bucket keys are named after their limits: after a config reload, gateways still on the old
 config and those on the new one each use their own bucket instead of resetting a shared one
 back and forth. A full bucket and a missing key mean the same, so bucket keys expire once
@@ -207,6 +209,33 @@ return {tonumber(day[1]) or 0, tonumber(day[2]) or 0, tonumber(day[3]) or 0}
 # A day's usage outlives the day, so GetUsage and a late settle still find it.
 _DAY_KEPT_S = 3 * 86_400
 
+# KEYS: the reports hash (gateway id -> report), the heartbeats sorted set (gateway id ->
+# server time of its last report). ARGV: this gateway's id, its report, the time to live
+# of a report in seconds. Stores the report, drops those of gateways silent for longer
+# than that, returns the others'. Both keys expire once every gateway is gone.
+_EXCHANGE_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do
+  redis.call('HDEL', KEYS[1], gone)
+  redis.call('ZREM', KEYS[2], gone)
+end
+local keep = math.ceil(ttl * 10000)
+redis.call('PEXPIRE', KEYS[1], keep)
+redis.call('PEXPIRE', KEYS[2], keep)
+local others = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then
+    table.insert(others, all[i + 1])
+  end
+end
+return others
+"""
+
 
 class RedisQuotaStore:
     """A `QuotaStore` whose state is in Redis, so several gateway processes enforce each
@@ -241,6 +270,7 @@ class RedisQuotaStore:
         self._renew = client.register_script(_RENEW_LUA)
         self._record_day = client.register_script(_RECORD_DAY_LUA)
         self._read_day = client.register_script(_READ_DAY_LUA)
+        self._exchange = client.register_script(_EXCHANGE_LUA)
         # Slot ids are unique across gateways and restarts (pods often all run as pid 1).
         self._owner = f"{socket.gethostname()}/{uuid.uuid4().hex[:8]}"
         self._ids = itertools.count()
@@ -369,6 +399,19 @@ class RedisQuotaStore:
         requests, prompt_tokens, completion_tokens = (int(n) for n in reply)
         return UsageSummary(requests, prompt_tokens, completion_tokens)
 
+    async def exchange_reports(self, report: bytes, ttl_s: float) -> list[bytes] | None:
+        """Publish this gateway's fair-share report (scheduler/cluster.py) and return the
+        other live gateways' (reported within `ttl_s`); None while Redis is unreachable,
+        whatever on_error says: fair share then falls back to this gateway's own, and no
+        request is refused for it."""
+        reply = await self._call(
+            self._exchange,
+            keys=(f"{self._prefix}:{{share}}:reports", f"{self._prefix}:{{share}}:beats"),
+            args=(self._owner, report, ttl_s),
+            raise_on_deny=False,
+        )
+        return None if reply is None else [bytes(r) for r in reply]
+
     async def aclose(self) -> None:
         """Stop renewing leases and close the connections (held slots then expire)."""
         if self._renewal is not None:
@@ -382,7 +425,7 @@ class RedisQuotaStore:
         script: Callable[..., Awaitable[_T]],
         *,
         keys: tuple[str, ...],
-        args: tuple[str | int | float, ...],
+        args: tuple[str | bytes | int | float, ...],
         raise_on_deny: bool = True,
     ) -> _T | None:
         """Run a script; None when Redis is unreachable and the on_error policy admits."""

@@ -5,8 +5,9 @@ loop; a queued one waits on its own Future, resolved exactly when the core hands
 (no tasks, no polling), with one timer handle for its deadline.
 
 Models with `dispatch_window: auto` have a WindowController each, fed by the dispatches'
-first-response latency (`Dispatch.responded`) and the engines' load (`engine_load`); it
-is asked to decide as requests finish and as engine readings arrive.
+first-response latency (`Dispatch.responded`), the engines' load (`engine_load`) and the
+core's view of what waits (`SchedulingCore.pressure`); it is asked to decide as requests
+finish and as engine readings arrive, and sets the window and the classes' caps.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
 from qosgate.errors import DeadlineExceeded
 from qosgate.scheduler.classes import class_window, initial_window
+from qosgate.scheduler.cluster import ClusterShare, GatewayReport
 from qosgate.scheduler.core import SchedulerSnapshot, SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.window import EngineLoad, WindowController
+
+
+# A window large enough that a class's nested share of it reads as a fraction.
+_SHARE_OF = 1 << 20
 
 
 class Dispatch:
@@ -63,6 +69,9 @@ class Scheduler:
         self._core = SchedulingCore(config)
         self._clock = clock
         self._windows: dict[str, WindowController | None] = {}
+        self._cluster = ClusterShare(
+            {level: class_window(config, klass, _SHARE_OF) / _SHARE_OF for level, klass in enumerate(config.classes)}
+        )
 
     def slot(
         self,
@@ -99,6 +108,16 @@ class Scheduler:
     def snapshot(self) -> SchedulerSnapshot:
         return self._core.snapshot()
 
+    def cluster_report(self) -> GatewayReport:
+        """This gateway's report for the others sharing its Redis (scheduler/cluster.py)."""
+        return self._core.cluster_report()
+
+    def cluster_update(self, others: Sequence[GatewayReport]) -> None:
+        """The other gateways' latest reports (none: alone, or Redis unreachable)."""
+        now = self._clock.now()
+        view = self._cluster.view(now, self._core.cluster_report(), others)
+        self._resolve(self._core.cluster_apply(view, now))
+
     def engine_load(self, model: str, load: EngineLoad) -> None:
         """The engines' latest saturation reading for `model` (ignored unless it is `auto`)."""
         controller = self._controller(model)
@@ -108,20 +127,22 @@ class Scheduler:
 
     def _controller(self, model: str) -> WindowController | None:
         if model not in self._windows:
-            policy = self._config.model_policy(model)
+            config = self._config
+            policy = config.model_policy(model)
             self._windows[model] = (
-                WindowController(policy.window_min, policy.window_max, initial_window(policy), reserved=self._reserved)
+                WindowController(
+                    policy.window_min,
+                    policy.window_max,
+                    initial_window(policy),
+                    objectives={
+                        config.classes.index(klass): objective
+                        for klass, objective in config.scheduler.latency_objective.items()
+                    },
+                )
                 if policy.dispatch_window == "auto"
                 else None
             )
         return self._windows[model]
-
-    def _reserved(self, level: int, window: int) -> int:
-        """The slots of `window` that the classes below `level` cannot take."""
-        classes = self._config.classes
-        if level + 1 >= len(classes):
-            return window
-        return window - class_window(self._config, classes[level + 1], window)
 
     def _latency(self, waiter: Waiter, seconds: float) -> None:
         controller = self._controller(waiter.model)
@@ -129,10 +150,10 @@ class Scheduler:
             controller.latency(self._core.level(waiter.klass), seconds, self._clock.now(), key=waiter)
 
     def _resize(self, model: str, controller: WindowController) -> None:
-        limited, queued_levels = self._core.window_pressure(model)
-        window = controller.decide(self._clock.now(), limited=limited, queued_levels=queued_levels)
-        if window is not None:
-            self._resolve(self._core.resize(model, window, self._clock.now()))
+        now = self._clock.now()
+        decision = controller.decide(now, self._core.pressure(model, now))
+        if decision is not None:
+            self._resolve(self._core.resize(model, decision.window, now, fair=decision.fair, lower=decision.lower))
 
     async def _acquire(self, waiter: Waiter) -> Dispatch:
         dispatch = self._submit(waiter)

@@ -8,7 +8,8 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
   cost, in the manner of VTC ("Fairness in Serving Large Language Models", OSDI'24): each
   dispatch advances a tenant's tag by cost/weight, the tenant with the smallest tag goes
   next, and a tenant that was idle re-enters at the class's current virtual time, the
-  tag of the least-served backlogged tenant (no banked credit). The cost is an estimate
+  tag of the least-served backlogged tenant (no banked credit; one whose queue ran dry
+  while its requests were in flight keeps up to their service). The cost is an estimate
   at dispatch (an LLM request: prompt + w x max_tokens); `settle` corrects the tag with
   the real cost when the request finishes. With `fair_share: requests` every cost is 1.
 - A dispatch window per model caps requests in flight upstream; the rest wait here. The
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qosgate.config import GatewayConfig
 from qosgate.scheduler.classes import class_window, initial_window, sheddable_classes
+from qosgate.scheduler.cluster import ClusterView, GatewayReport, TenantShare
+from qosgate.scheduler.window import Pressure, TenantDemand
 from qosgate.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
 
 # Floor credits are sums of float shares; without a tolerance 20 x 0.05 may fall short of 1.
 _CREDIT_EPSILON = 1e-9
+_NO_CAP = 1 << 62
 _NOTHING: tuple[Waiter, ...] = ()
 
 
@@ -125,6 +129,23 @@ class _TenantQueue:
     # Virtual start tag of the head request; meaningful only while live > 0.
     start: float = 0.0
     finish: float = 0.0
+    # Requests in flight, the time integral of that (request-seconds, up to `busy_at`)
+    # and the cost of those finished: how long its requests occupy the engine per unit of
+    # service, for the window's fair-share caps.
+    in_flight: int = 0
+    busy_s: float = 0.0
+    busy_at: float = 0.0
+    served: float = 0.0
+    # Cost charged to it at dispatch (settles included), what other gateways read; and
+    # what they reported charging it, as last taken into its tags.
+    charged: float = 0.0
+    remote: float = 0.0
+
+    def occupy(self, now: float, change: int) -> None:
+        """Bring `busy_s` up to `now`, then change the requests in flight by `change`."""
+        self.busy_s += self.in_flight * (now - self.busy_at)
+        self.busy_at = now
+        self.in_flight += change
 
     def head(self) -> Waiter:
         waiters = self.waiters
@@ -143,9 +164,15 @@ class _TenantQueue:
 class _ClassQueue:
     name: str
     floor: float
-    window: int  # dispatch while fewer than this are in flight (its nested reservation)
+    window: int  # its nested reservation of the model's window
     max_length: int
     sheddable: bool
+    # Dispatch while fewer than this are in flight (nested: the classes above and, up to
+    # their own limits, below it count): its reservation, or less while the window's
+    # controller holds it back for a higher class's latency objective.
+    limit: int = 0
+    # And while fewer than this of its own are (the window's fair-share cap).
+    own_cap: int = _NO_CAP
     # Every tenant seen (so metrics see queues drain to 0); `backlogged` only those with
     # work, so picking the next tenant costs O(tenants waiting), not O(tenants ever seen).
     tenants: dict[str, _TenantQueue] = field(default_factory=dict)
@@ -155,13 +182,24 @@ class _ClassQueue:
     credit: float = 0.0
     in_flight: int = 0
 
-    def push(self, waiter: Waiter) -> None:
+    def tenant(self, waiter: Waiter) -> _TenantQueue:
+        """The queue of `waiter`'s tenant, made on first use with its current weight."""
         queue = self.tenants.get(waiter.tenant)
         if queue is None:
             queue = self.tenants[waiter.tenant] = _TenantQueue(waiter.tenant)
         queue.weight = waiter.weight
+        return queue
+
+    def push(self, waiter: Waiter) -> None:
+        queue = self.tenant(waiter)
         if queue.live == 0:
-            queue.start = max(self.vtime, queue.finish)
+            # An idle tenant re-enters at the class's virtual time: no banked credit. One
+            # with requests in flight is not idle: its queue ran dry for as long as its
+            # answers took to come back as new requests (a caller's turnaround), and being
+            # lifted each time would cost it its weight. It keeps up to the service of what
+            # it has in flight.
+            floor = self.vtime - queue.in_flight * waiter.cost / queue.weight
+            queue.start = max(floor, queue.finish)
             self.backlogged[queue.name] = queue
         queue.waiters.append(waiter)
         queue.live += 1
@@ -197,10 +235,7 @@ class _ClassQueue:
         The class's virtual time follows it, so a tenant arriving later is lifted to the
         level of those served meanwhile instead of banking the time it was away.
         """
-        queue = self.tenants.get(waiter.tenant)
-        if queue is None:
-            queue = self.tenants[waiter.tenant] = _TenantQueue(waiter.tenant)
-        queue.weight = waiter.weight
+        queue = self.tenant(waiter)
         start = max(self.vtime, queue.finish)
         self.vtime = start
         queue.finish = queue.start = start + waiter.cost / queue.weight
@@ -211,8 +246,13 @@ class _ClassQueue:
 
     def correct(self, waiter: Waiter, delta: float) -> None:
         """Move the tenant's tags by a dispatched request's cost correction."""
-        queue = self.tenants[waiter.tenant]
-        shift = delta / queue.weight
+        self.shift(self.tenants[waiter.tenant], delta)
+        self.tenants[waiter.tenant].charged += delta
+
+    @staticmethod
+    def shift(queue: _TenantQueue, cost: float) -> None:
+        """Move a tenant's tags by `cost` more (or less) service."""
+        shift = cost / queue.weight
         queue.finish += shift
         if queue.live:
             queue.start += shift
@@ -263,14 +303,31 @@ class _ModelQueues:
         them hold. So after the window shrinks, lower-class work still in flight over those
         limits drains without taking the slots reserved for the classes above (in flight may
         then exceed the window by at most those reserved slots)."""
+        klass = self.classes[level]
+        return klass.in_flight < klass.own_cap and self._taken(level) < klass.limit
+
+    def _taken(self, level: int) -> int:
+        """What counts against class `level`'s limit: the requests in flight of the classes
+        up to it, and of those below it up to their own limits."""
         classes = self.classes
         below = 0
         for klass in reversed(classes[level + 1 :]):
-            below = min(below + klass.in_flight, klass.window)
+            below = min(below + klass.in_flight, klass.limit)
         taken = below
         for klass in classes[: level + 1]:
             taken += klass.in_flight
-        return taken < classes[level].window
+        return taken
+
+    def window_limits(self, level: int) -> bool:
+        """Whether class `level` has requests queued that its nested reservation of the
+        window holds back (a larger window would let them go; a cap would not)."""
+        klass = self.classes[level]
+        return (
+            klass.live > 0
+            and klass.in_flight < klass.own_cap
+            and klass.limit >= klass.window
+            and self._taken(level) >= klass.window
+        )
 
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
@@ -311,14 +368,17 @@ class _ModelQueues:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
-    """Queue depth per (model, class, tenant), requests in flight and window per model, and
-the service each tenant attained, for metrics."""
+    """Queue depth per (model, class, tenant), requests in flight and window per model, the
+service each tenant attained, and the classes held below their share, for metrics."""
 
     queued: dict[tuple[str, str, str], int]
     in_flight: dict[str, int]
     window: dict[str, int]
     # Cost of the requests each (model, tenant) finished: weighted tokens for an LLM.
     served: dict[tuple[str, str], float]
+    # Per (model, class) held below its share of the window (an `auto` window's fair-share
+    # or latency-objective cap): what it may have in flight.
+    capped: dict[tuple[str, str], int]
 
 
 # A model with no `models:` entry gets its queues on first use. A tenant sending made-up
@@ -337,6 +397,9 @@ class SchedulingCore:
         self._by_cost = config.scheduler.fair_share == "cost"
         self._models: dict[str, _ModelQueues] = {}
         self._tenant_tokens: dict[str, int] = {}  # tokens in flight, per tenant
+        # From the other gateways sharing Redis (scheduler/cluster.py).
+        self._held: frozenset[tuple[str, int, str]] = frozenset()
+        self._remote_tokens: dict[str, int] = {}
         self._served: dict[tuple[str, str], float] = {}
         self._unconfigured: dict[str, None] = {}  # insertion-ordered set
 
@@ -361,6 +424,8 @@ class SchedulingCore:
                     for klass in config.classes
                 ],
             )
+            for klass in queues.classes:
+                klass.limit = klass.window
             if model not in config.models:
                 self._unconfigured[model] = None
         return queues
@@ -386,9 +451,52 @@ class SchedulingCore:
         return tuple(forgotten)
 
     def _fits(self, waiter: Waiter) -> bool:
-        """Whether dispatching `waiter` keeps its tenant within its in-flight token quota."""
+        """Whether `waiter` may be dispatched: its tenant is not held back for another
+        gateway's starved tenant, and stays within its in-flight token quota (counting
+        what it holds at other gateways)."""
+        if self._held and (waiter.model, self._levels[waiter.klass], waiter.tenant) in self._held:
+            return False
         quota = waiter.token_quota
-        return quota is None or self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens <= quota
+        if quota is None:
+            return True
+        held = self._tenant_tokens.get(waiter.tenant, 0) + self._remote_tokens.get(waiter.tenant, 0)
+        return held + waiter.tokens <= quota
+
+    def cluster_report(self) -> GatewayReport:
+        """What this gateway publishes to the others sharing its Redis."""
+        tenants = [
+            TenantShare(name, level, queue.name, queue.weight, queue.charged, queue.live + queue.in_flight, queue.live)
+            for name, model in self._models.items()
+            for level, klass in enumerate(model.classes)
+            for queue in klass.tenants.values()
+            if queue.charged or queue.live or queue.in_flight
+        ]
+        return GatewayReport(
+            tenants=tenants,
+            windows={name: model.window for name, model in self._models.items()},
+            tokens={tenant: tokens for tenant, tokens in self._tenant_tokens.items() if tokens},
+        )
+
+    def cluster_apply(self, view: ClusterView, now: float) -> Sequence[Waiter]:
+        """Take in what the other gateways reported: charge each tenant here for the
+        service it got there since the last report, hold back the tenants `view` names,
+        count their tokens in flight there. Returns the waiters this lets go, as `release`
+        does."""
+        for name, model in self._models.items():
+            for level, klass in enumerate(model.classes):
+                for queue in klass.tenants.values():
+                    remote = view.remote_charged.get((name, level, queue.name), 0.0)
+                    if remote > queue.remote:
+                        klass.shift(queue, remote - queue.remote)
+                    queue.remote = remote  # a gateway gone takes its count with it
+        released = self._held - view.held
+        self._held = view.held
+        self._remote_tokens = dict(view.remote_tokens)
+        decided: list[Waiter] = []
+        if released or self._remote_tokens:
+            for model in self._models.values():
+                self._fill(model, now, decided)
+        return decided
 
     def level(self, klass: str) -> int:
         """Position of a class, 0 for the highest; InvalidArgument if unknown."""
@@ -426,7 +534,7 @@ class SchedulingCore:
             and not klass.has_queued(waiter.tenant)
         ):
             klass.charge_at_once(waiter)
-            self._dispatch(model, waiter)
+            self._dispatch(model, waiter, now)
             return _NOTHING
         if waiter.deadline is not None and waiter.deadline <= now:
             raise DeadlineExceeded("deadline exceeded before the request could be queued")
@@ -455,9 +563,13 @@ class SchedulingCore:
         waiter.state = WaiterState.QUEUED
         return shed
 
-    def _dispatch(self, model: _ModelQueues, waiter: Waiter) -> None:
+    def _dispatch(self, model: _ModelQueues, waiter: Waiter, now: float) -> None:
         model.in_flight += 1
-        model.classes[self._levels[waiter.klass]].in_flight += 1
+        klass = model.classes[self._levels[waiter.klass]]
+        klass.in_flight += 1
+        tenant = klass.tenant(waiter)
+        tenant.occupy(now, 1)
+        tenant.charged += waiter.cost
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
         waiter.state = WaiterState.DISPATCHED
@@ -480,7 +592,11 @@ class SchedulingCore:
         """
         model = self._models[waiter.model]
         model.in_flight -= 1
-        model.classes[self._levels[waiter.klass]].in_flight -= 1
+        klass = model.classes[self._levels[waiter.klass]]
+        klass.in_flight -= 1
+        tenant = klass.tenant(waiter)
+        tenant.occupy(now, -1)
+        tenant.served += waiter.cost
         key = (waiter.model, waiter.tenant)
         self._served[key] = self._served.get(key, 0.0) + waiter.cost
         decided: list[Waiter] = []
@@ -493,14 +609,26 @@ class SchedulingCore:
         self._fill(model, now, decided)
         return decided
 
-    def resize(self, model_name: str, window: int, now: float) -> Sequence[Waiter]:
-        """Set a model's dispatch window (and its classes' nested limits); a larger window
-        dispatches waiters at once, returned as `release` returns them. A smaller one
-        takes effect as requests finish: nothing in flight is recalled."""
+    def resize(
+        self,
+        model_name: str,
+        window: int,
+        now: float,
+        *,
+        fair: Mapping[int, int] | None = None,
+        lower: Mapping[int, int] | None = None,
+    ) -> Sequence[Waiter]:
+        """Set a model's dispatch window and its classes' nested limits; by level, `fair`
+        caps what a class itself has in flight and `lower` its nested limit (classes not
+        named have neither). More room dispatches waiters at once, returned as `release`
+        returns them. Less takes effect as requests finish: nothing in flight is recalled."""
         model = self._queues(model_name)
         model.window = window
-        for klass in model.classes:
+        for level, klass in enumerate(model.classes):
             klass.window = class_window(self._config, klass.name, window)
+            cap = lower.get(level) if lower else None
+            klass.limit = klass.window if cap is None else min(klass.window, cap)
+            klass.own_cap = fair.get(level, _NO_CAP) if fair else _NO_CAP
         decided: list[Waiter] = []
         self._fill(model, now, decided)
         return decided
@@ -514,7 +642,7 @@ class SchedulingCore:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
             else:
-                self._dispatch(model, waiter)
+                self._dispatch(model, waiter, now)
             decided.append(waiter)
 
     def withdraw(self, waiter: Waiter) -> bool:
@@ -527,14 +655,31 @@ class SchedulingCore:
         model.queued -= 1
         return True
 
-    def window_pressure(self, model_name: str) -> tuple[bool, frozenset[int]]:
-        """Whether the window is what holds a model's queued requests back (some class has
-        work queued while its share of the window is full: a lower class never fills the
-        whole window, the nested reservation keeps slots for the classes above), and the
-        levels of the classes with work queued."""
+    def pressure(self, model_name: str, now: float) -> Pressure:
+        """What the model's window controller decides on: whether the window holds queued
+        requests back (some class has work queued while its share of the window is full:
+        a lower class never fills the whole window, the nested reservation keeps slots for
+        the classes above), and each class's tenants with requests outstanding."""
         model = self._queues(model_name)
-        limited = any(k.live and not model.has_room(level) for level, k in enumerate(model.classes))
-        return limited, frozenset(i for i, k in enumerate(model.classes) if k.live)
+        tenants: dict[int, list[TenantDemand]] = {}
+        share: dict[int, float] = {}
+        for level, klass in enumerate(model.classes):
+            share[level] = klass.window / max(1, model.window)
+            outstanding = []
+            for queue in klass.tenants.values():
+                if queue.live or queue.in_flight:
+                    queue.occupy(now, 0)
+                    outstanding.append(
+                        TenantDemand(queue.name, queue.weight, queue.live + queue.in_flight, queue.live, queue.busy_s, queue.served)
+                    )
+            if outstanding:
+                tenants[level] = outstanding
+        return Pressure(
+            limited=any(model.window_limits(level) for level in range(len(model.classes))),
+            idle=model.in_flight == 0 and model.queued == 0,
+            tenants=tenants,
+            share=share,
+        )
 
     def snapshot(self) -> SchedulerSnapshot:
         queued: dict[tuple[str, str, str], int] = {}
@@ -547,4 +692,10 @@ class SchedulingCore:
             in_flight={name: m.in_flight for name, m in self._models.items()},
             window={name: m.window for name, m in self._models.items()},
             served=dict(self._served),
+            capped={
+                (name, klass.name): min(klass.limit, klass.own_cap)
+                for name, model in self._models.items()
+                for klass in model.classes
+                if min(klass.limit, klass.own_cap) < klass.window
+            },
         )

@@ -1,72 +1,97 @@
-"""The self-sizing dispatch window of a model set to `dispatch_window: auto`: pure, on the
-caller's `now`.
+"""The self-sizing dispatch window of a model set to `dispatch_window: auto`, and the caps
+it sets on the classes inside it: pure, on the caller's `now`.
 
-Two things bound a window, and the controller watches both (in the manner of llm-d's
-saturation detector and of Netflix's gradient concurrency limiters):
+The window is what the model may have in flight at its engines; the rest waits in the
+gateway, where classes and weights decide the order. Three bounds, each from its own fact:
 
-- The engine's capacity. Requests waiting inside the engine for a second or more (its
-  own queue, where the gateway's priority and fair share are lost; a burst of arrivals
-  waits for one step, which is no saturation) or a nearly full KV cache mean the window
-  is past it: shrink. Otherwise, while the window is what limits (requests queue in the
-  gateway with their class's share of the window full), grow: doubling until the first shrink (slow start),
-  then by window/8.
-- The latency of the highest class, when lower classes share the engine with it. On an
-  engine whose step time grows with its batch, every request at the engine slows the
-  others' time to first response; the window is the lower classes' throughput traded
-  for the highest class's latency. While a higher class and a lower one are both active,
-  the window follows the gradient of the higher class's first-response latency against
-  its unloaded baseline: above LATENCY_TOLERANCE x baseline it shrinks in proportion
-  (by at most half), below it may grow. It also grows while that class itself waits
-  in the gateway's queue: then its share of the window is too small for it, and a
-  smaller window would only add queueing to its latency. With one class active there
-  is nobody to protect: the window sizes for throughput alone, unless the engine exports
-  no saturation signal (a dynamic batcher such as minilm's): then that class's latency
-  is the only sign of saturation, and bounds the window the same way.
+- Throughput: the window. While requests wait in the gateway because the window is full,
+  it grows (doubling until the first shrink, then by an eighth) until the engine itself
+  says it is saturated: requests waiting inside it for a second or more (vLLM's or
+  TensorRT-LLM's waiting queue; for Triton's dynamic batcher its pending requests, past
+  a batch being formed) or a nearly full KV cache. Then it shrinks by a fifth. So the
+  window is what the engine runs at once: what vLLM runs without queueing, what a
+  batcher executes plus the batch it forms; the engine never waits for the gateway.
+- Fair share: each class's cap. Fair share orders only what waits in the gateway. A
+  tenant whose requests are all in flight cannot be given more, however far below its
+  weight it is served: with closed-loop callers (each sends its next request when one
+  returns), a window larger than their concurrency makes shares follow concurrency, not
+  weights. So while two or more tenants of a class compete, the class's cap stops short
+  of where a competing tenant's outstanding requests would no longer cover its fair part
+  of it (the edge), its excess queued in the gateway. A tenant's fair part is its weight
+  times what one unit of its service occupies at the engine (`occupancy`: how long its
+  requests stay in flight per unit of their cost), so long generations and short ones
+  get equal service, not equal slots. A tenant competes while its outstanding requests
+  cover at least half of its fair part; one that sends less (an open loop below its
+  share) is served all it asks, and the others' fair parts are of what it leaves. How far
+  short of the edge follows what the tenants really got: a thinly queued tenant served
+  below its weight's share lowers the cap in proportion, and it creeps back up while
+  none is (the engine's throughput is worth having back).
+- A class's latency objective (`scheduler.latency_objective`): the caps of the classes
+  below it. While a class with an objective is active beside lower ones and its recent
+  first-response latency is above objective x its unloaded baseline, the lower classes'
+  cap shrinks in proportion (by at most half per interval); well within it, it grows back
+  by an eighth, then lifts. The window itself keeps its size: the protected class may use
+  all of it, and the engine is never held idle for a latency it already meets.
 
-A class's samples in an interval are its dispatches' first-response latencies, and the
-age of each of its dispatches still without a first response that is already older than
-the class may take (LATENCY_TOLERANCE x baseline): under a flood, first responses can
-take longer than an interval, and without these the controller saw no evidence and held
-the window where the flood had grown it. A class is active while it has a dispatch in
-flight (a stream still answering, long after its first response) or reported a latency
-within ACTIVE_S: a critical stream in its decode phase is still protected, where the
-window once grew back to full size under it. Nor does latency shrink the window below
-what keeps room, under the nested reservation, for as many requests of the protected
-class as it had in flight at once in the interval: a smaller window only queues them in
-the gateway behind each other (the bench saw a window of 2 to 5 hold one of two critical
-streams back for a whole generation of the other).
+A class's latency samples in an interval are its dispatches' first-response latencies,
+and the age of each dispatch still without a first response that is already older than
+the objective allows (under a flood a first response can take longer than an interval).
+A class is active while it has a dispatch in flight or reported a latency within
+ACTIVE_S. Its baseline is the lowest median of an interval's samples seen, let drift up
+very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
 
-The baseline of a class is the lowest median of an interval's samples seen, whatever
-else ran (a class measured alone sets it), let drift up very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
-The window moves at most once per INTERVAL_S, always within [window_min, window_max].
+Everything moves at most once per INTERVAL_S. After IDLE_RESTART_S with nothing queued or
+in flight the window starts over from where it started (the engine may have changed).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-# How often the window may move; long enough for a few dispatches to report latency.
 INTERVAL_S = 0.5
-# The highest class's first-response latency may reach this multiple of its baseline.
-LATENCY_TOLERANCE = 1.5
 # Saturated when the engine's KV cache is this full (new sequences would be preempted).
 KV_CACHE_HIGH = 0.9
-# Shrink on engine saturation; latency shrinks by the gradient, down to at most half.
 DECREASE = 0.8
-LARGEST_LATENCY_DECREASE = 0.5
 GROWTH_DIVISOR = 8
-# Per decision the baseline may rise by this fraction towards what is measured.
+LARGEST_LATENCY_DECREASE = 0.5
+# Per decision a class's baseline may rise by this fraction towards what is measured.
 BASELINE_DRIFT = 0.002
 # A class counts as active while it has a dispatch in flight or reported a latency
-# within this long; engine readings older than this are ignored (the scrape stopped
-# working).
+# within this long; engine readings older than this are ignored (the scrape stopped).
 ACTIVE_S = 5.0
 ENGINE_STALE_S = 5.0
-# Requests arriving together wait in the engine until its next step; only a waiting
-# queue that persists this long is saturation.
+# Requests arriving together wait in the engine until its next step (a batcher: until a
+# batch forms); only a waiting queue that persists this long is saturation.
 WAITING_PERSIST_S = 1.0
+# With nothing queued or in flight this long, the window starts over.
+IDLE_RESTART_S = 5.0
+# A class's fair cap starts this far below its edge (the cap at which a competing
+# tenant would have nothing queued): its callers' turnaround and answers that come back
+# together in a batch empty a thin queue now and then.
+FAIR_START = 0.9
+# A tenant whose outstanding requests cover this fraction of its fair part competes.
+COMPETING = 0.5
+# The fair cap's place below the edge moves with what the competing tenants really got:
+# a thinly queued one served short of its share by more than DEFICIT_TOLERANCE lowers it
+# in proportion (not below FAIR_FLOOR of the edge); while none is, it creeps back up by
+# FAIR_CREEP per interval, to no more than the edge.
+DEFICIT_TOLERANCE = 0.03
+FAIR_FLOOR = 0.5
+FAIR_CREEP = 0.005
+THIN_QUEUE = 0.25
+# Outstanding requests are smoothed over intervals: a closed loop's count dips while its
+# answers travel back to the caller.
+DEMAND_SMOOTHING = 0.5
+# Occupancy is the ratio of request-seconds to cost served, each summed over intervals
+# with this decay (a horizon of a few seconds: one request's luck at a batch does not move
+# it, a tenant that changes what it sends does); the service each tenant got is summed
+# over a longer one.
+OCCUPANCY_DECAY = 0.8
+SERVICE_DECAY = 0.9
+# The lower classes' cap grows back only below this fraction of the allowed latency.
+LATENCY_HYSTERESIS = 0.8
 # Latency samples kept per class and interval (their median decides).
 _KEEP = 64
 
@@ -76,34 +101,98 @@ class EngineLoad:
     """What an engine reports about its own saturation (summed over its upstreams)."""
 
     waiting: float
-    """Requests queued inside the engine, not yet running."""
+    """Requests queued inside the engine, not yet running (a batcher: its pending ones)."""
     kv_cache_usage: float | None
     """Fraction of the KV cache in use (0..1); None if the engine does not say."""
 
 
+@dataclass(frozen=True, slots=True)
+class TenantDemand:
+    """One tenant of a class as the core reports it."""
+
+    name: str
+    weight: float
+    outstanding: int
+    """Requests queued in the gateway plus those in flight."""
+    queued: int
+    """Of those, queued in the gateway."""
+    busy_s: float
+    """Time integral of its requests in flight so far (request-seconds)."""
+    served: float
+    """Cost of its requests finished so far."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairPart:
+    """One tenant of a class as the fair cap weighs it."""
+
+    name: str
+    weight: float
+    outstanding: float
+    occupancy: float | None
+    """Request-seconds in flight per unit of cost served, recently; None: not known yet."""
+    queued: float = 0.0
+    served: float = 0.0
+    """Cost served recently (over a few seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairEdge:
+    """Where a class's cap stops being fair to the tenants that compete in it."""
+
+    left_over: float
+    """Outstanding requests of the tenants that do not compete: all served at once."""
+    edge: float
+    """The competing tenants' part of the cap at which the first of them would have all
+    its outstanding requests in flight, none left queued."""
+    competing: tuple[FairPart, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    """What holds a model's queued requests back, as the scheduler sees it at a decision."""
+
+    limited: bool
+    """Some class has requests queued while its share of the window is full."""
+    idle: bool
+    """Nothing queued or in flight."""
+    tenants: Mapping[int, Sequence[TenantDemand]]
+    """By class level, the tenants with requests outstanding."""
+    share: Mapping[int, float]
+    """By class level, the fraction of the window its nested reservation lets it fill."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowDecision:
+    """A model's window and the caps on its classes, by level (a level not named has
+    none): `fair` on what a class itself has in flight, `lower` on the nested limit of a
+    class below a protected one (everything in flight counts against it)."""
+
+    window: int
+    fair: Mapping[int, int]
+    lower: Mapping[int, int]
+
+
 @dataclass(slots=True)
 class _ClassLatency:
+    objective: float | None
     last_at: float = -ACTIVE_S
     baseline_s: float | None = None
     samples: list[float] = field(default_factory=list)  # of the current interval
     recent_s: float | None = None  # their median, once the interval is over
-    # Dispatches not ended yet: when each was dispatched while it still waits for its
-    # first response, None once it answered. The most at once in this interval and in the
-    # last one.
+    # Dispatches not ended yet: when each was dispatched while it waits for its first
+    # response, None once it answered.
     in_flight: dict[object, float | None] = field(default_factory=dict)
-    peak: int = 0
-    recent_peak: int = 0
 
     def active(self, now: float) -> bool:
         return bool(self.in_flight) or now - self.last_at <= ACTIVE_S
 
     def close_interval(self, now: float) -> None:
-        self.recent_peak, self.peak = self.peak, len(self.in_flight)
-        # A dispatch without its first response yet has a latency of at least its age. One
-        # already past what the class may take is a sample of that age: an engine so
+        # A dispatch without its first response yet has a latency of at least its age.
+        # One already past what the class may take is a sample of that age: an engine so
         # loaded that no first response comes within an interval is not "no evidence".
-        if self.baseline_s is not None:
-            overdue = LATENCY_TOLERANCE * self.baseline_s
+        if self.baseline_s is not None and self.objective is not None:
+            overdue = self.objective * self.baseline_s
             for dispatched_at in self.in_flight.values():
                 if len(self.samples) >= _KEEP:
                     break
@@ -120,29 +209,99 @@ class _ClassLatency:
             self.baseline_s = min(recent, self.baseline_s * (1.0 + BASELINE_DRIFT))
 
 
+def fair_edge(tenants: Sequence[FairPart], cap: float) -> FairEdge | None:
+    """Where the class's cap stops covering every competing tenant's fair part with its
+    outstanding requests; None while fewer than two compete (nothing to be fair between).
+    Who competes is judged at the class's `cap` now."""
+    known = [t.occupancy for t in tenants if t.occupancy]
+    typical = statistics.median(known) if known else 1.0
+    # Weighted occupancy: a tenant's fair part of the cap is in proportion to it.
+    parts = {t.name: t.weight * (t.occupancy or typical) for t in tenants}
+    total = sum(parts.values())
+    if total <= 0:
+        return None
+    competing = [t for t in tenants if t.outstanding >= COMPETING * cap * parts[t.name] / total]
+    if len(competing) < 2:
+        return None
+    left_over = sum(t.outstanding for t in tenants if t not in competing)
+    share = sum(parts[t.name] for t in competing)
+    edge = min(t.outstanding * share / parts[t.name] for t in competing)
+    return FairEdge(left_over, edge, tuple(competing))
+
+
+def service_deficit(competing: Sequence[FairPart]) -> float:
+    """How far below its weight's share of the recent service the worst-served competing
+    tenant whose queue ran thin is, relative to that share (0: none is). A tenant with
+    plenty queued is ordered by weight already; its deviation is noise."""
+    served = sum(t.served for t in competing)
+    weights = sum(t.weight for t in competing)
+    if served <= 0 or weights <= 0:
+        return 0.0
+    deficits = [
+        1.0 - (t.served / served) / (t.weight / weights)
+        for t in competing
+        if t.queued < THIN_QUEUE * t.outstanding
+    ]
+    return max(deficits, default=0.0)
+
+
+class _TenantTrack:
+    """A tenant's outstanding requests and occupancy, smoothed over intervals."""
+
+    __slots__ = ("_busy", "_busy_s", "_served", "_served_s", "outstanding", "queued", "service")
+
+    def __init__(self, first: TenantDemand) -> None:
+        self.outstanding, self.queued = float(first.outstanding), float(first.queued)
+        self._busy_s, self._served_s = first.busy_s, first.served
+        self._busy = self._served = self.service = 0.0
+
+    def update(self, now: TenantDemand) -> None:
+        self.outstanding = DEMAND_SMOOTHING * self.outstanding + (1 - DEMAND_SMOOTHING) * now.outstanding
+        self.queued = DEMAND_SMOOTHING * self.queued + (1 - DEMAND_SMOOTHING) * now.queued
+        served = now.served - self._served_s
+        self._busy = OCCUPANCY_DECAY * self._busy + (now.busy_s - self._busy_s)
+        self._served = OCCUPANCY_DECAY * self._served + served
+        self.service = SERVICE_DECAY * self.service + served
+        self._busy_s, self._served_s = now.busy_s, now.served
+
+    def part(self, tenant: TenantDemand) -> FairPart:
+        occupancy = self._busy / self._served if self._served > 0 else None
+        return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, self.queued, self.service)
+
+
 @dataclass(slots=True)
 class WindowController:
-    """One model's `auto` window."""
+    """One model's `auto` window and class caps; `objectives`: by class level, its
+    latency objective (a multiple of its unloaded first-response latency)."""
 
     minimum: int
     maximum: int
     window: int
+    objectives: Mapping[int, float] = field(default_factory=dict)
     next_at: float = 0.0
     slow_start: bool = True
     engine: EngineLoad | None = None
     engine_at: float = 0.0
     waiting_since: float | None = None  # since when every reading showed a waiting queue
-    # The slots of a window (2nd argument) that classes below `level` (1st) cannot take
-    # (the nested reservation); by default all of them.
-    reserved: Callable[[int, int], int] = lambda level, window: window
+    idle_since: float | None = None
+    fair: dict[int, int] = field(default_factory=dict)
+    lower: dict[int, int] = field(default_factory=dict)
+    # The nested limit of the classes below a protected one; None: none.
+    lower_cap: int | None = None
+    _initial: int = 0
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
+    _tenants: dict[tuple[int, str], _TenantTrack] = field(default_factory=dict)
+    # Per class level, where below its fair edge its cap is set.
+    _fair_factor: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._initial = self.window
 
     def dispatched(self, level: int, key: object, now: float) -> None:
         """A request of class `level` (0 highest), known by `key`, was dispatched."""
         stats = self._class(level)
         stats.last_at = now
         stats.in_flight[key] = now
-        stats.peak = max(stats.peak, len(stats.in_flight))
 
     def latency(self, level: int, seconds: float, now: float, key: object = None) -> None:
         """A dispatch of class `level` got its first response `seconds` after it was
@@ -163,7 +322,7 @@ class WindowController:
     def _class(self, level: int) -> _ClassLatency:
         stats = self._classes.get(level)
         if stats is None:
-            stats = self._classes[level] = _ClassLatency()
+            stats = self._classes[level] = _ClassLatency(self.objectives.get(level))
         return stats
 
     def engine_load(self, load: EngineLoad, now: float) -> None:
@@ -174,70 +333,102 @@ class WindowController:
         elif self.waiting_since is None:
             self.waiting_since = now
 
-    def decide(self, now: float, *, limited: bool, queued_levels: frozenset[int] = frozenset()) -> int | None:
-        """The new window if it moves now, else None; `limited`: the window is what holds
-        queued requests back; `queued_levels`: the classes with requests queued in the
-        gateway. Call often: it acts once per interval."""
+    def decide(self, now: float, pressure: Pressure) -> WindowDecision | None:
+        """The new window and caps if they move now, else None. Call often: it acts once
+        per interval."""
         if now < self.next_at:
             return None
         self.next_at = now + INTERVAL_S
         for stats in self._classes.values():
             stats.close_interval(now)
-        load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
-        window: int | None = self._engine_bound(load, now, limited)
-        protected = self._protected(now, engine_known=load is not None)
-        if protected is not None and window is not None and window >= self.window:
-            level, stats, alone = protected
-            # The protected class waiting in the gateway's queue: its share of the window
-            # is too small for it, and shrinking would only make it wait longer.
-            if not alone and level in queued_levels:
-                window = self._grown()
-            else:
-                window = self._latency_bound(level, stats, limited)
-        if window is None or window == self.window:
+        before = (self.window, self.fair, self.lower)
+        self._size_window(now, pressure)
+        self._set_caps(now, pressure)
+        if (self.window, self.fair, self.lower) == before:
             return None
-        if window < self.window:
-            self.slow_start = False
-        self.window = window
-        return window
+        return WindowDecision(self.window, self.fair, self.lower)
 
-    def _engine_bound(self, load: EngineLoad | None, now: float, limited: bool) -> int:
+    def _size_window(self, now: float, pressure: Pressure) -> None:
+        if pressure.idle:
+            if self.idle_since is None:
+                self.idle_since = now
+            elif now - self.idle_since >= IDLE_RESTART_S:
+                self.window, self.slow_start = self._initial, True
+            return
+        self.idle_since = None
+        load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
         if load is not None and (
             (self.waiting_since is not None and now - self.waiting_since >= WAITING_PERSIST_S)
             or (load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH)
         ):
-            return max(self.minimum, int(self.window * DECREASE))
-        return self._grown() if limited else self.window
+            self.window = max(self.minimum, int(self.window * DECREASE))
+            self.slow_start = False
+        elif pressure.limited:
+            step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
+            self.window = min(self.maximum, self.window + step)
 
-    def _protected(self, now: float, *, engine_known: bool) -> tuple[int, _ClassLatency, bool] | None:
-        """The class whose latency bounds the window, and whether it is alone: the highest
-        active class while a lower one is active too; without an engine reading, also a
-        class alone (latency is then the only sign of saturation there is)."""
+    def _set_caps(self, now: float, pressure: Pressure) -> None:
+        fair = {}
+        for level, tenants in pressure.tenants.items():
+            cap = self._fair_cap(level, tenants, pressure.share.get(level, 1.0))
+            if cap is not None:
+                fair[level] = cap
+        self.fair = fair
+        protected = self._protected(now)
+        if protected is None:
+            self.lower_cap = None
+            self.lower = {}
+            return
+        level, stats = protected
+        self._move_lower_cap(stats)
+        cap = self.lower_cap
+        self.lower = {} if cap is None else {lower: cap for lower in pressure.share if lower > level}
+
+    def _fair_cap(self, level: int, tenants: Sequence[TenantDemand], share: float) -> int | None:
+        parts = []
+        live = set()
+        for tenant in tenants:
+            key = (level, tenant.name)
+            live.add(key)
+            track = self._tenants.get(key)
+            if track is None:
+                track = self._tenants[key] = _TenantTrack(tenant)
+            else:
+                track.update(tenant)
+            parts.append(track.part(tenant))
+        for key in [k for k in self._tenants if k[0] == level and k not in live]:
+            del self._tenants[key]
+        found = fair_edge(parts, max(1.0, self.window * share))
+        if found is None:
+            self._fair_factor.pop(level, None)
+            return None
+        factor = self._fair_factor.get(level, FAIR_START)
+        deficit = service_deficit(found.competing)
+        if deficit > DEFICIT_TOLERANCE:
+            factor = max(FAIR_FLOOR, factor * (1.0 - deficit))
+        else:
+            factor = min(1.0, factor + FAIR_CREEP)
+        self._fair_factor[level] = factor
+        return max(1, int(found.left_over + factor * found.edge))
+
+    def _protected(self, now: float) -> tuple[int, _ClassLatency] | None:
+        """The highest active class with a latency objective, while a lower one is active."""
         active = sorted(level for level, s in self._classes.items() if s.active(now))
-        if len(active) >= 2 or (active and not engine_known):
-            return active[0], self._classes[active[0]], len(active) == 1
+        for level in active:
+            stats = self._classes[level]
+            if stats.objective is not None:
+                return (level, stats) if active[-1] > level else None
         return None
 
-    def _latency_bound(self, level: int, stats: _ClassLatency, limited: bool) -> int | None:
-        recent = stats.recent_s
-        if recent is None or stats.baseline_s is None:
-            return None  # no evidence from the last interval: hold
-        allowed = LATENCY_TOLERANCE * stats.baseline_s
+    def _move_lower_cap(self, stats: _ClassLatency) -> None:
+        recent, baseline, objective = stats.recent_s, stats.baseline_s, stats.objective
+        if recent is None or baseline is None or objective is None:
+            return  # no evidence from the last interval: hold
+        allowed = objective * baseline
+        current = self.lower_cap if self.lower_cap is not None else self.window
         if recent > allowed:
             factor = max(LARGEST_LATENCY_DECREASE, allowed / recent)
-            shrunk = max(self.minimum, min(self.window - 1, int(self.window * factor)))
-            return max(shrunk, self._room_for(level, stats.recent_peak))
-        return self._grown() if limited else self.window
-
-    def _room_for(self, level: int, count: int) -> int:
-        """The smallest window (down to the current one) that keeps room for `count`
-        requests of class `level` whatever the classes below hold: smaller, and the
-        class's own requests queue in the gateway behind each other."""
-        for window in range(self.minimum, self.window):
-            if self.reserved(level, window) >= count:
-                return window
-        return self.window
-
-    def _grown(self) -> int:
-        step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
-        return min(self.maximum, self.window + step)
+            self.lower_cap = max(1, min(current - 1, int(current * factor)))
+        elif self.lower_cap is not None and recent < LATENCY_HYSTERESIS * allowed:
+            grown = current + max(1, current // GROWTH_DIVISOR)
+            self.lower_cap = None if grown >= self.window else grown

@@ -7,12 +7,14 @@ metrics read (the first family found wins):
 
 | engine                          | waiting requests                            | KV-cache use                                      |
 |---------------------------------|---------------------------------------------|---------------------------------------------------|
-| our vLLM backend                | `vllm_engine_requests_waiting`              | `vllm_engine_kv_cache_usage` (0..1)               |
-| NVIDIA's vLLM backend           | `vllm:num_requests_waiting`                 | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` (0..1) |
-| NVIDIA's TensorRT-LLM backend   | `nv_trt_llm_request_metrics{request_type="waiting"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
+| every Triton model              | `nv_inference_pending_request_count` (the scheduler's queue: a dynamic batcher's pending requests) | - |
+| our vLLM backend                | + `vllm_engine_requests_waiting`            | `vllm_engine_kv_cache_usage` (0..1)               |
+| NVIDIA's vLLM backend           | + `vllm:num_requests_waiting`               | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` (0..1) |
+| NVIDIA's TensorRT-LLM backend   | + `nv_trt_llm_request_metrics{request_type="waiting"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
 
-All carry a `model` label (Triton's model name). A model none of them names has no
-engine reading: its window is bounded by dispatch latency alone.
+All carry a `model` label (Triton's model name). Triton's pending count is the batcher's
+queue (requests not yet in an executing batch); a decoupled LLM backend takes its
+requests at once, so there the engine's own waiting queue is what counts.
 """
 
 from __future__ import annotations
@@ -36,9 +38,8 @@ _WAITING = ("vllm_engine_requests_waiting", "vllm:num_requests_waiting")
 _KV_USAGE = ("vllm_engine_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _TRTLLM_REQUESTS = "nv_trt_llm_request_metrics"
 _TRTLLM_KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
-# Only a model with an engine's metrics has a reading: Triton's own (nv_inference_*)
-# cover every model, and say nothing about an engine's saturation.
-_ENGINE_PREFIXES = ("vllm_engine_", "vllm:", "nv_trt_llm_")
+_PENDING = "nv_inference_pending_request_count"
+_ENGINE_PREFIXES = ("vllm_engine_", "vllm:", "nv_trt_llm_", _PENDING)
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ class _Reading:
 def parse_engine_load(text: str) -> dict[str, EngineLoad]:
     """The engine load per model named in one Prometheus text exposition.
 
-    Only the engines' sample lines go to the parser: the rest of the page (Triton's own
+    Only the sample lines read here go to the parser: the rest of the page (Triton's other
     families for every model, and HELP and TYPE lines, which change no sample's name) is
     passed over by prefix. The parser is pure Python and runs on the event loop every
     poll, and a GPU server's page holds hundreds of lines that say nothing here.
@@ -65,7 +66,7 @@ def parse_engine_load(text: str) -> dict[str, EngineLoad]:
             if model is None:
                 continue
             reading = readings.setdefault(model, _Reading())
-            if name in _WAITING:
+            if name in _WAITING or name == _PENDING:
                 reading.waiting += sample.value
             elif name in _KV_USAGE:
                 reading.kv_cache_usage = max(reading.kv_cache_usage or 0.0, sample.value)
