@@ -162,9 +162,11 @@ def nginx_config(directory: pathlib.Path, listen: str, upstream: str) -> pathlib
 def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str,
                    upstreams: Sequence[tuple[str, str]], tenants: Sequence[Mapping[str, Any]],
                    models: Mapping[str, Mapping[str, Any]] | None = None,
-                   scheduler: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   scheduler: Mapping[str, Any] | None = None,
+                   redis_url: str | None = None) -> dict[str, Any]:
     """A gateway YAML document (qosgate.config.GatewayConfig) for one bench run;
-    `upstreams`: (gRPC target, metrics URL) of each Triton."""
+    `upstreams`: (gRPC target, metrics URL) of each Triton; `redis_url`: the quota store
+    (and fair share) shared with other gateways."""
     doc: dict[str, Any] = {
         "listen": listen,
         "metrics_listen": metrics_listen,
@@ -182,6 +184,8 @@ def gateway_config(*, listen: str, metrics_listen: str, openai_listen: str,
         doc["models"] = {name: dict(policy) for name, policy in models.items()}
     if scheduler:
         doc["scheduler"] = dict(scheduler)
+    if redis_url:
+        doc["quota_store"] = {"backend": "redis", "redis_url": redis_url}
     return doc
 
 
@@ -217,6 +221,8 @@ class Stack:
         self.gateway: GroupProcess | None = None
         self.second_gateway: GroupProcess | None = None
         self.relay_alone: GroupProcess | None = None
+        self.redis: GroupProcess | None = None
+        self.redis_url = ""
         self.nginx_url = ""
         self.gateway_url = ""
         self.gateway_openai_url = ""
@@ -313,6 +319,24 @@ class Stack:
         self.nginx_url = f"{LOOPBACK}:{port}"
         return self.nginx_url
 
+    def start_redis(self) -> str:
+        """A redis-server (no persistence) for gateways to share, stopping the one an
+        earlier call started; returns its URL."""
+        if self.redis is not None:
+            self.redis.stop()
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed: make bench installs it (scripts/system_deps.sh)")
+        directory = self.dir / "redis"
+        directory.mkdir(exist_ok=True)
+        port = free_port()
+        self.redis = GroupProcess(
+            "redis", ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
+                      "--dir", str(directory)], directory / "redis.log")
+        self._exit.callback(self.redis.stop)
+        wait_for_port(port, self.redis.proc, "redis-server")
+        self.redis_url = f"redis://{LOOPBACK}:{port}/0"
+        return self.redis_url
+
     def start_relay_alone(self) -> str:
         """The gateway's relay with no policy in front of Triton (bench/relay_alone.py),
         stopping the one an earlier call started; returns its gRPC target."""
@@ -330,30 +354,42 @@ class Stack:
 
     def start_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
                       models: Mapping[str, Mapping[str, Any]] | None = None,
-                      scheduler: Mapping[str, Any] | None = None) -> str:
+                      scheduler: Mapping[str, Any] | None = None, redis: bool = False) -> str:
         """`qosgate serve` with a config generated for this run (stopping the gateway an
-        earlier call started); returns its gRPC target."""
+        earlier call started); `redis`: its quota store is `start_redis`'s. Returns its
+        gRPC target."""
         if self.gateway is not None:
             self.gateway.stop()
-        self.gateway, port, metrics_port, http_port = self._serve_gateway("gateway", tenants, models, scheduler)
+        self.gateway, port, metrics_port, http_port = self._serve_gateway(
+            "gateway", tenants, models, scheduler, self._redis_url(redis))
         self.gateway_metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
         self.gateway_url = f"{LOOPBACK}:{port}"
         self.gateway_openai_url = f"http://{LOOPBACK}:{http_port}/v1"
         return self.gateway_url
 
     def start_second_gateway(self, *, tenants: Sequence[Mapping[str, Any]],
-                             models: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-        """Another `qosgate serve` process in front of the same Triton (a load that costs
-        the machine what it costs the gateway, without sharing its process); returns its
-        gRPC target."""
+                             models: Mapping[str, Mapping[str, Any]] | None = None,
+                             scheduler: Mapping[str, Any] | None = None, redis: bool = False) -> str:
+        """Another `qosgate serve` process in front of the same Triton (with `redis`,
+        sharing quotas and fair share with the first through `start_redis`'s server);
+        returns its gRPC target."""
         if self.second_gateway is not None:
             self.second_gateway.stop()
-        self.second_gateway, port, _, _ = self._serve_gateway("second gateway", tenants, models, None)
+        self.second_gateway, port, _, _ = self._serve_gateway(
+            "second gateway", tenants, models, scheduler, self._redis_url(redis))
         return f"{LOOPBACK}:{port}"
+
+    def _redis_url(self, wanted: bool) -> str | None:
+        if not wanted:
+            return None
+        if not self.redis_url:
+            raise RuntimeError("start_redis first")
+        return self.redis_url
 
     def _serve_gateway(self, name: str, tenants: Sequence[Mapping[str, Any]],
                        models: Mapping[str, Mapping[str, Any]] | None,
-                       scheduler: Mapping[str, Any] | None) -> tuple[GroupProcess, int, int, int]:
+                       scheduler: Mapping[str, Any] | None,
+                       redis_url: str | None) -> tuple[GroupProcess, int, int, int]:
         """A `qosgate serve` process listening: it, its gRPC, metrics and OpenAI ports."""
         assert self.triton is not None
         port, metrics_port, http_port = free_port(), free_port(), free_port()
@@ -361,7 +397,7 @@ class Stack:
             listen=f"{LOOPBACK}:{port}", metrics_listen=f"{LOOPBACK}:{metrics_port}",
             openai_listen=f"{LOOPBACK}:{http_port}",
             upstreams=[(r.ports.grpc_url, r.ports.metrics_url) for r in self.replicas],
-            tenants=tenants, models=models, scheduler=scheduler,
+            tenants=tenants, models=models, scheduler=scheduler, redis_url=redis_url,
         )
         stem = name.replace(" ", "-")
         path = self.dir / f"{stem}.yaml"
@@ -397,7 +433,7 @@ def checked(stack: Stack) -> Iterator[Stack]:
         try:
             yield stack
         finally:
-            groups = [p.pgid for p in (stack.nginx, stack.gateway, stack.second_gateway) if p is not None]
+            groups = [p.pgid for p in (stack.nginx, stack.gateway, stack.second_gateway, stack.redis) if p is not None]
             groups += [r.pid for r in stack.replicas if r.pid is not None]
     # Each replica's vLLM workers are reaped in turn, slowly on a busy machine.
     left = leftover_processes(groups, grace=15.0 * max(1, len(stack.replicas)))

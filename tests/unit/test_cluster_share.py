@@ -9,6 +9,7 @@ from qosgate.scheduler import SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.cluster import (
     ALONE,
     HOLD_TOLERANCE,
+    LIMIT_INTERVAL_S,
     RATE_WARMUP_S,
     ClusterShare,
     ClusterView,
@@ -68,44 +69,67 @@ class Cluster:
                                 [report(share("y", 4, self.y, 32, y_queued), window=32)])
 
 
-def test_a_tenant_ahead_of_a_starved_one_elsewhere_is_held() -> None:
+def test_a_tenant_ahead_of_a_starved_one_elsewhere_is_limited_in_proportion() -> None:
     cluster = Cluster()
     # Each gateway gives its one tenant what its window lets through: the same rate, where
     # the weights ask for 1:4. Rates need a moment of history before they count.
-    views = [cluster.step(100, 100) for _ in range(int(RATE_WARMUP_S / 0.1) + 20)]
-    assert not views[0].held
-    assert views[-1].held == {("m", STANDARD, "x")}
+    views = [cluster.step(100, 100, x_queued=0) for _ in range(int(RATE_WARMUP_S / 0.1) + 2)]
+    assert not views[0].limits
+    # x is 4x ahead per unit of weight: half way (in ratio) to where it would not be, from
+    # the 32 it has in flight here.
+    assert views[-1].limits == {("m", STANDARD, "x"): 16}
+    # Further cuts wait until the rates could show the last one.
+    first = cluster.now
+    while (view := cluster.step(100, 100, x_queued=16)).limits == {("m", STANDARD, "x"): 16}:
+        pass
+    assert view.limits == {("m", STANDARD, "x"): 8}
+    assert cluster.now - first >= LIMIT_INTERVAL_S
 
 
-def test_no_hold_within_the_tolerance() -> None:
+def test_a_limit_grows_back_once_the_tenant_is_behind_and_goes() -> None:
+    cluster = Cluster()
+    for _ in range(int(RATE_WARMUP_S / 0.1) + 2):
+        cluster.step(100, 100, x_queued=0)
+    limits = []
+    for _ in range(200):
+        limits.append(cluster.step(10, 100, x_queued=16).limits.get(("m", STANDARD, "x")))
+    # Its rate takes a moment to show it behind (one more cut meanwhile), then the limit
+    # grows back step by step until it holds nothing back.
+    assert limits[0] == 16 and limits[-1] is None
+    grown = [n for n in limits if n is not None]
+    lowest = grown.index(min(grown))
+    assert grown[lowest:] == sorted(grown[lowest:]) and grown[-1] > grown[lowest]
+
+
+def test_no_limit_within_the_tolerance() -> None:
     cluster = Cluster()
     for _ in range(60):
-        view = cluster.step(100 * (1 + HOLD_TOLERANCE / 2), 400)
-    assert not view.held
+        view = cluster.step(100 * (1 + HOLD_TOLERANCE / 2), 400, x_queued=0)
+    assert not view.limits
 
 
-def test_no_hold_for_a_competitor_this_gateway_orders_itself() -> None:
+def test_no_limit_for_a_competitor_this_gateway_orders_itself() -> None:
     # y is queued here too: this gateway's own order by tags serves it first already.
     sharer = ClusterShare(SHARE)
     for i in range(40):
         t = 0.1 * (i + 1)
-        view = sharer.view(t, report(share("x", 1, 100 * t, 32, 20), share("y", 4, 50 * t, 16, 4)),
-                           [report(share("y", 4, 50 * t, 16, 0))])
-    assert not view.held
+        view = sharer.view(t, report(share("x", 1, 100 * t, 32, 20), share("y", 4, 50 * t, 16, 4), window=32),
+                           [report(share("y", 4, 50 * t, 16, 0), window=32)])
+    assert not view.limits
 
 
-def test_no_hold_for_a_competitor_served_nothing() -> None:
+def test_no_limit_for_a_competitor_served_nothing() -> None:
     # Stuck elsewhere for a reason this gateway cannot mend: idling its engine would not help.
     cluster = Cluster()
     for _ in range(40):
         view = cluster.step(100, 0)
-    assert not view.held
+    assert not view.limits
 
 
-def test_a_gateway_gone_takes_its_count_with_it_and_nothing_is_held_alone() -> None:
+def test_a_gateway_gone_takes_its_count_with_it_and_nothing_is_limited_alone() -> None:
     cluster = Cluster()
     views = [cluster.step(100, 100) for _ in range(40)]
-    assert views[-1].held
+    assert views[-1].limits
     assert cluster.sharer.view(cluster.now + 0.1, report(share("x", 1, cluster.x, 32, 20)), []) is ALONE
 
 
@@ -126,38 +150,39 @@ def test_service_elsewhere_counts_in_the_order_here() -> None:
     c.submit(y, 0.0)
     c.submit(x, 0.0)
     # y was served 5 requests' worth at another gateway meanwhile: x goes first here.
-    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 5.0}, frozenset(), {}), 0.0)
+    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 5.0}, {}, {}), 0.0)
     assert c.release(busy, 1.0) == [x]
     assert x.state is WaiterState.DISPATCHED and y.state is WaiterState.QUEUED
     # The same report again charges nothing more.
-    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 5.0}, frozenset(), {}), 1.0)
+    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 5.0}, {}, {}), 1.0)
     x2 = waiter("x")
     c.submit(x2, 1.0)
     assert c.release(x, 2.0) == [x2]  # x is still 4 behind y
 
 
-def test_a_held_tenant_waits_until_released() -> None:
-    c = core()
-    held = ClusterView({}, frozenset({("m", STANDARD, "x")}), {})
-    c.cluster_apply(held, 0.0)
-    x = waiter("x")
-    c.submit(x, 0.0)
-    assert x.state is WaiterState.QUEUED  # the window has room, x may not take it
+def test_a_limited_tenant_waits_beyond_its_limit_until_let_go() -> None:
+    c = SchedulingCore(parse_config({"models": {"m": {"dispatch_window": 4}}, "scheduler": {"window_reserve": 0}}))
+    c.cluster_apply(ClusterView({}, {("m", STANDARD, "x"): 1}, {}), 0.0)
+    first, second = waiter("x"), waiter("x")
+    c.submit(first, 0.0)
+    c.submit(second, 0.0)
+    assert first.state is WaiterState.DISPATCHED
+    assert second.state is WaiterState.QUEUED  # the window has room, x may not take it
     y = waiter("y")
     c.submit(y, 0.0)
     assert y.state is WaiterState.DISPATCHED
     c.release(y, 1.0)
-    assert x.state is WaiterState.QUEUED
-    assert c.cluster_apply(ALONE, 1.0) == [x]
+    assert second.state is WaiterState.QUEUED
+    assert c.cluster_apply(ALONE, 1.0) == [second]
 
 
 def test_tokens_in_flight_elsewhere_count_against_the_tenant_quota() -> None:
     c = SchedulingCore(parse_config({"scheduler": {"window_reserve": 0}}))
-    c.cluster_apply(ClusterView({}, frozenset(), {"x": 900}), 0.0)
+    c.cluster_apply(ClusterView({}, {}, {"x": 900}), 0.0)
     big = waiter("x", tokens=200, token_quota=1000)
     c.submit(big, 0.0)
     assert big.state is WaiterState.QUEUED  # 900 elsewhere + 200 > 1000
-    assert c.cluster_apply(ClusterView({}, frozenset(), {"x": 700}), 1.0) == [big]
+    assert c.cluster_apply(ClusterView({}, {}, {"x": 700}), 1.0) == [big]
 
 
 def test_the_report_carries_what_each_tenant_was_charged_and_has_outstanding() -> None:

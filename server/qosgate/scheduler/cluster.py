@@ -13,9 +13,10 @@ others' reports a gateway takes three things:
   gateway that sees both gives the second what the first gets elsewhere.
 - Holds. Ordering cannot help a tenant that is not queued at this gateway at all: when a
   competing tenant elsewhere is served below its weight (its recent service per unit of
-  weight more than HOLD_TOLERANCE below this one's), this gateway holds back the tenants
-  ahead of it. The engine's capacity they leave is what the other gateway's window grows
-  into: its window is full and the engine no longer saturated.
+  weight more than HOLD_TOLERANCE below this one's), this gateway limits what the tenants
+  ahead of it may have in flight here, in proportion to how far ahead they are. The
+  engine's capacity they leave is what the other gateway's window grows into: its window
+  is full and the engine no longer saturated.
 - Tokens in flight, for `max_inflight_tokens` over the cluster.
 
 With no report from anyone else (alone, or Redis unreachable) all three are empty, and
@@ -41,8 +42,13 @@ EXCHANGE_INTERVAL_S = 0.1
 REPORT_TTL_S = 1.0
 # A tenant's rate of service is summed over reports with this decay per second.
 RATE_DECAY_PER_S = 0.5
-# Held while its service per unit of weight is this much above a starved competitor's.
-HOLD_TOLERANCE = 0.1
+# Held back while its service per unit of weight is more than this much above a starved
+# competitor's; let go again (its in-flight limit grows by LIMIT_GROWTH) once it is as
+# much below. Limits move at most every LIMIT_INTERVAL_S: the rates they act on take
+# about that long to show a change.
+HOLD_TOLERANCE = 0.05
+LIMIT_GROWTH = 1.25
+LIMIT_INTERVAL_S = 1.0
 # Rates need this much history before they may hold anything back.
 RATE_WARMUP_S = 1.0
 
@@ -104,13 +110,14 @@ class ClusterView:
 
     remote_charged: Mapping[tuple[str, int, str], float]
     """Per (model, level, tenant), the cost the other gateways have charged it so far."""
-    held: frozenset[tuple[str, int, str]]
-    """(model, level, tenant) this gateway holds back for a starved competitor elsewhere."""
+    limits: Mapping[tuple[str, int, str], int]
+    """Per (model, level, tenant) held back here for a starved competitor elsewhere, what
+    it may have in flight at this gateway."""
     remote_tokens: Mapping[str, int]
     """Per tenant, the tokens it holds in flight at the other gateways."""
 
 
-ALONE = ClusterView({}, frozenset(), {})
+ALONE = ClusterView({}, {}, {})
 
 
 @dataclass(slots=True)
@@ -129,11 +136,14 @@ class ClusterShare:
     share: Mapping[int, float]
     """Per class level, the fraction of a window its nested reservation lets it fill."""
     _rates: dict[tuple[str, int, str], _Rate] = field(default_factory=dict)
+    _caps: dict[tuple[str, int, str], float] = field(default_factory=dict)
+    _limited_at: float = float("-inf")
 
     def view(self, now: float, local: GatewayReport, others: Iterable[GatewayReport]) -> ClusterView:
         others = list(others)
         if not others:
             self._rates.clear()
+            self._caps.clear()
             return ALONE
         remote: dict[tuple[str, int, str], float] = {}
         merged: dict[tuple[str, int, str], list[float]] = {}  # weight, charged, outstanding, queued
@@ -151,8 +161,7 @@ class ClusterShare:
         for s in local.tenants:
             self._add(merged, s)
         rates = self._update_rates(now, merged)
-        local_queued = {(s.model, s.level, s.tenant) for s in local.tenants if s.queued}
-        return ClusterView(remote, self._holds(merged, rates, windows, local_queued), tokens)
+        return ClusterView(remote, self._limits(now, merged, rates, windows, local), tokens)
 
     @staticmethod
     def _add(merged: dict[tuple[str, int, str], list[float]], s: TenantShare) -> None:
@@ -181,19 +190,19 @@ class ClusterShare:
             del self._rates[key]
         return rates
 
-    def _holds(
+    def _limits(
         self,
+        now: float,
         merged: Mapping[tuple[str, int, str], list[float]],
         rates: Mapping[tuple[str, int, str], float],
         windows: Mapping[str, int],
-        local_queued: set[tuple[str, int, str]],
-    ) -> frozenset[tuple[str, int, str]]:
-        by_class: dict[tuple[str, int], list[FairPart]] = {}
-        for (model, level, tenant), (weight, _, outstanding, queued) in merged.items():
-            if outstanding:
-                by_class.setdefault((model, level), []).append(FairPart(tenant, weight, outstanding, None, queued))
-        held = set()
-        for (model, level), parts in by_class.items():
+        local: GatewayReport,
+    ) -> dict[tuple[str, int, str], int]:
+        in_flight = {(s.model, s.level, s.tenant): s.outstanding - s.queued for s in local.tenants if s.outstanding}
+        outstanding = {(s.model, s.level, s.tenant): s.outstanding for s in local.tenants}
+        queued_here = {(s.model, s.level, s.tenant) for s in local.tenants if s.queued}
+        ratios: dict[tuple[str, int, str], float] = {}
+        for (model, level), parts in self._classes(merged).items():
             found = fair_edge(parts, max(1.0, windows.get(model, 0) * self.share.get(level, 1.0)))
             if found is None:
                 continue
@@ -207,14 +216,42 @@ class ClusterShare:
                 # Only a competitor this gateway cannot reach by its order (not queued here)
                 # and that is served at all (one served nothing is stuck for some other
                 # reason, which holding the engine idle would not mend).
-                starved = [n for n, r in normalized.items() if (model, level, n) not in local_queued and r > 0]
+                starved = [n for n, r in normalized.items() if (model, level, n) not in queued_here and r > 0]
                 if not starved:
                     continue
                 floor = min(normalized[n] for n in starved)
                 for name, rate in normalized.items():
-                    if (model, level, name) in local_queued and rate > (1 + HOLD_TOLERANCE) * floor:
-                        held.add((model, level, name))
-        return frozenset(held)
+                    if (model, level, name) in in_flight:
+                        ratios[(model, level, name)] = rate / floor
+        due = now - self._limited_at >= LIMIT_INTERVAL_S
+        if due:
+            self._limited_at = now
+        limits = {}
+        for key in set(self._caps) | set(ratios):
+            ratio = ratios.get(key, 0.0)
+            cap = self._caps.get(key)
+            if ratio > 1 + HOLD_TOLERANCE:
+                if cap is None or due:
+                    # Rate follows requests in flight: move half way (in ratio) to the cap
+                    # that would bring it down to the starved competitor's.
+                    cap = max(1.0, (cap if cap is not None else max(1, in_flight.get(key, 1))) / ratio**0.5)
+            elif cap is not None and due and (key not in ratios or ratio < 1 - HOLD_TOLERANCE):
+                cap *= LIMIT_GROWTH
+            # A limit above all the tenant has here holds nothing back any more.
+            if cap is None or cap > outstanding.get(key, 0):
+                self._caps.pop(key, None)
+                continue
+            self._caps[key] = cap
+            limits[key] = int(cap)
+        return limits
+
+    @staticmethod
+    def _classes(merged: Mapping[tuple[str, int, str], list[float]]) -> dict[tuple[str, int], list[FairPart]]:
+        by_class: dict[tuple[str, int], list[FairPart]] = {}
+        for (model, level, tenant), (weight, _, outstanding, queued) in merged.items():
+            if outstanding:
+                by_class.setdefault((model, level), []).append(FairPart(tenant, weight, outstanding, None, queued))
+        return by_class
 
 
 class ReportExchange(Protocol):

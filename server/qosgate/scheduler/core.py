@@ -398,7 +398,7 @@ class SchedulingCore:
         self._models: dict[str, _ModelQueues] = {}
         self._tenant_tokens: dict[str, int] = {}  # tokens in flight, per tenant
         # From the other gateways sharing Redis (scheduler/cluster.py).
-        self._held: frozenset[tuple[str, int, str]] = frozenset()
+        self._limits: dict[tuple[str, int, str], int] = {}
         self._remote_tokens: dict[str, int] = {}
         self._served: dict[tuple[str, str], float] = {}
         self._unconfigured: dict[str, None] = {}  # insertion-ordered set
@@ -451,11 +451,14 @@ class SchedulingCore:
         return tuple(forgotten)
 
     def _fits(self, waiter: Waiter) -> bool:
-        """Whether `waiter` may be dispatched: its tenant is not held back for another
-        gateway's starved tenant, and stays within its in-flight token quota (counting
-        what it holds at other gateways)."""
-        if self._held and (waiter.model, self._levels[waiter.klass], waiter.tenant) in self._held:
-            return False
+        """Whether `waiter` may be dispatched: its tenant stays within what it may have in
+        flight here while held back for another gateway's starved tenant, and within its
+        in-flight token quota (counting what it holds at other gateways)."""
+        if self._limits:
+            level = self._levels[waiter.klass]
+            limit = self._limits.get((waiter.model, level, waiter.tenant))
+            if limit is not None and self._models[waiter.model].classes[level].tenant(waiter).in_flight >= limit:
+                return False
         quota = waiter.token_quota
         if quota is None:
             return True
@@ -479,7 +482,7 @@ class SchedulingCore:
 
     def cluster_apply(self, view: ClusterView, now: float) -> Sequence[Waiter]:
         """Take in what the other gateways reported: charge each tenant here for the
-        service it got there since the last report, hold back the tenants `view` names,
+        service it got there since the last report, limit the tenants `view` holds back,
         count their tokens in flight there. Returns the waiters this lets go, as `release`
         does."""
         for name, model in self._models.items():
@@ -489,8 +492,8 @@ class SchedulingCore:
                     if remote > queue.remote:
                         klass.shift(queue, remote - queue.remote)
                     queue.remote = remote  # a gateway gone takes its count with it
-        released = self._held - view.held
-        self._held = view.held
+        released = view.limits != self._limits
+        self._limits = dict(view.limits)
         self._remote_tokens = dict(view.remote_tokens)
         decided: list[Waiter] = []
         if released or self._remote_tokens:
