@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from qosgate.launcher import LOCAL_MODELS, LocalTriton, TritonPorts
 
 from tests.postgres_server import PostgresServer
+from tests.redis_server import RedisServer
 
 # CPython 3.11 keeps one AST-building depth counter per interpreter (python/cpython#106905):
 # two threads parsing at once, when a garbage collection in one runs Python finalizers and
@@ -108,6 +110,15 @@ def postgres() -> PostgresServer:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port (tests keep apart by key prefix)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"), free_port())
+    server.start()
+    yield server
+    server.stop()
 
 
 def engine_gauges(triton: LocalTriton) -> dict[str, float]:

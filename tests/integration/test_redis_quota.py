@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -39,75 +38,13 @@ from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.fakes import FakeClock, make_tenant
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
 
 # The async fixture below lives on the session loop (asyncio_default_fixture_loop_scope).
 ON_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port: no persistence, own directory."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._workdir = workdir
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert shutil.which("redis-server"), (
-            "redis-server is not installed: `make test` installs it (scripts/system_deps.sh)"
-        )
-        self._process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self._workdir),
-                "--logfile",
-                str(self._workdir / "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if self._process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"redis-server did not start; see {self._workdir / 'redis.log'}"
-                        ) from None
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            self._process.wait(timeout=10)
-        self._process = None
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def store_config(server: RedisServer, prefix: str, **fields: object) -> QuotaStoreConfig:
@@ -248,7 +185,7 @@ async def test_slots_of_a_killed_gateway_expire_with_their_lease(redis_server: R
 async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = RedisServer(tmp_path)
+    server = RedisServer(tmp_path, free_port())
     server.start()
     clock = FakeClock()  # paces the outage probes only; the buckets use Redis time
     prefix = f"test-{uuid.uuid4().hex[:8]}"

@@ -46,11 +46,26 @@ nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm"
 """
 
 
+BATCHER = """\
+# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution per-model.
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="minilm",version="1"} 32
+nv_inference_pending_request_count{model="smollm2",version="1"} 0
+"""
+
+
 def test_our_vllm_backend() -> None:
     loads = parse_engine_load(OURS)
     assert loads["smollm2"] == EngineLoad(waiting=3, kv_cache_usage=0.42)
-    # A model with only Triton's own metrics (a dynamic batcher) has no engine reading.
+    # Triton's other families say nothing about saturation.
     assert "minilm" not in loads
+
+
+def test_a_dynamic_batchers_pending_requests_are_its_waiting_queue() -> None:
+    loads = parse_engine_load(BATCHER + OURS)
+    assert loads["minilm"] == EngineLoad(waiting=32, kv_cache_usage=None)
+    # A decoupled LLM takes its requests at once: its engine's own queue is what counts.
+    assert loads["smollm2"] == EngineLoad(waiting=3, kv_cache_usage=0.42)
 
 
 def test_nvidia_vllm_backend() -> None:

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 # Floor credits are sums of float shares; without a tolerance 20 x 0.05 may fall short of 1.
 _CREDIT_EPSILON = 1e-9
-_NO_CAP = 1 << 62
+_NO_CAP = 1 << 30  # a short int for compiled code, far above any window
 _NOTHING: tuple[Waiter, ...] = ()
 
 
