@@ -197,7 +197,9 @@ def test_redis_going_away_fails_nothing_and_fair_share_comes_back(
     assert ratio(back) <= 1.2, back
     for gateway in (one, two):
         log = gateway.log_text()
-        assert log.count("unreachable") == 1, log[-3000:]  # said once per outage
+        # Said once per outage, and once that it is over.
+        assert log.count("fair share across gateways paused") == 1, log[-3000:]
+        assert log.count("fair share across gateways resumed") == 1, log[-3000:]
 
 
 def test_a_killed_gateway_fails_no_call_of_the_other(cluster: tuple[GatewayProcess, GatewayProcess]) -> None:

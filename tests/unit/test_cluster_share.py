@@ -11,6 +11,7 @@ from qosgate.scheduler.cluster import (
     HOLD_TOLERANCE,
     LIMIT_INTERVAL_S,
     RATE_WARMUP_S,
+    ClusterExchange,
     ClusterShare,
     ClusterView,
     GatewayReport,
@@ -194,3 +195,32 @@ def test_the_report_carries_what_each_tenant_was_charged_and_has_outstanding() -
     sent = c.cluster_report()
     assert sent.windows == {"m": 1}
     assert sent.tenants == [TenantShare("m", STANDARD, "a", 1.0, 4.0, 2, 1)]
+
+
+class FakeRedis:
+    """The report exchange, answering from a script: a list of replies, or None (down)."""
+
+    def __init__(self, *replies: list[bytes] | None) -> None:
+        self.replies = list(replies)
+        self.published: list[bytes] = []
+
+    async def exchange_reports(self, report: bytes, ttl_s: float) -> list[bytes] | None:
+        self.published.append(report)
+        return self.replies.pop(0)
+
+
+async def test_the_exchange_publishes_reads_and_says_once_when_redis_is_gone(caplog: pytest.LogCaptureFixture) -> None:
+    other = report(share("y", 4, 3.0, 1, 0)).encode()
+    redis = FakeRedis([other], None, None, [other, b"garbage", b"more garbage"])
+    received: list[list[GatewayReport]] = []
+    mine = report(share("x", 1, 1.0, 2, 1))
+    exchange = ClusterExchange(redis, lambda: mine, lambda reports: received.append(list(reports)))
+    with caplog.at_level("WARNING"):
+        for _ in range(4):
+            await exchange.exchange_once()
+    assert redis.published == [mine.encode()] * 4
+    expected = GatewayReport.decode(other)
+    assert received == [[expected], [], [], [expected]]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("paused" in m for m in messages) == 1 and sum("resumed" in m for m in messages) == 1
+    assert sum("cannot read" in m for m in messages) == 1

@@ -277,6 +277,7 @@ class ClusterExchange:
         self._receive = receive
         self._task: asyncio.Task[None] | None = None
         self._unreadable = False
+        self._paused = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="fair-share exchange")
@@ -294,6 +295,14 @@ class ClusterExchange:
 
     async def exchange_once(self) -> None:
         replies = await self._exchange.exchange_reports(self._publish().encode(), REPORT_TTL_S)
+        if (replies is None) != self._paused:
+            # Once per outage, in the words of what it means for fair share.
+            self._paused = replies is None
+            if self._paused:
+                log.warning("fair share across gateways paused: Redis does not answer; "
+                            "serving by this gateway's own until it does")
+            else:
+                log.warning("fair share across gateways resumed")
         reports = []
         for reply in replies or ():
             try:
