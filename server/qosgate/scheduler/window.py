@@ -85,11 +85,11 @@ THIN_QUEUE = 0.25
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
 # Occupancy is the ratio of request-seconds to cost served, each summed over intervals
-# with this decay (a horizon of a few seconds: one request's luck at a batch does not move
-# it, a tenant that changes what it sends does); the service each tenant got is summed
-# over a longer one.
-OCCUPANCY_DECAY = 0.8
-SERVICE_DECAY = 0.9
+# with this decay, and so is the service each tenant got: a horizon of about ten seconds,
+# over which a generation of a few seconds finishes often enough that its cost, counted
+# when it ends, does not come in lumps; a tenant that changes what it sends still shows.
+OCCUPANCY_DECAY = 0.95
+SERVICE_DECAY = 0.95
 # The lower classes' cap grows back only below this fraction of the allowed latency.
 LATENCY_HYSTERESIS = 0.8
 # Latency samples kept per class and interval (their median decides).
