@@ -75,9 +75,11 @@ FAIR_START = 0.9
 COMPETING = 0.5
 # The fair cap's place below the edge moves with what the competing tenants really got:
 # a thinly queued one served short of its share by more than DEFICIT_TOLERANCE lowers it
-# in proportion (not below FAIR_FLOOR of the edge); while none is, it creeps back up by
-# FAIR_CREEP per interval, to no more than the edge.
+# by DEFICIT_GAIN of that shortfall per interval (the service is summed over some twenty
+# intervals: a full correction each would overshoot), not below FAIR_FLOOR of the edge;
+# while none is, it creeps back up by FAIR_CREEP per interval, to no more than the edge.
 DEFICIT_TOLERANCE = 0.03
+DEFICIT_GAIN = 0.1
 FAIR_FLOOR = 0.5
 FAIR_CREEP = 0.005
 THIN_QUEUE = 0.25
@@ -405,7 +407,7 @@ class WindowController:
         factor = self._fair_factor.get(level, FAIR_START)
         deficit = service_deficit(found.competing)
         if deficit > DEFICIT_TOLERANCE:
-            factor = max(FAIR_FLOOR, factor * (1.0 - deficit))
+            factor = max(FAIR_FLOOR, factor * (1.0 - DEFICIT_GAIN * deficit))
         else:
             factor = min(1.0, factor + FAIR_CREEP)
         self._fair_factor[level] = factor
