@@ -37,7 +37,7 @@ CLIENT_SYSTEM_DEPS := protobuf-compiler \
   libnetty-tcnative-java libnetty-tcnative-jni libgeronimo-annotation-1.3-spec-java \
   protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev g++ cmake pkg-config
 TEST_SYSTEM_DEPS := redis-server postgresql python3-venv $(CLIENT_SYSTEM_DEPS)
-BENCH_SYSTEM_DEPS := nginx-light
+BENCH_SYSTEM_DEPS := nginx-light redis-server
 
 .PHONY: setup venv protos native models tools node-deps system-deps-test system-deps-bench system-deps-clients clients clients-go clients-java clients-cpp lint-protos typecheck run triton test test-unit bench bench-quick clean
 
