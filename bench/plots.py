@@ -7,14 +7,19 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def panels(count: int, width: float = 5.0, height: float = 3.8) -> tuple[Any, list[Any]]:
+def panels(count: int, width: float = 5.0, height: float = 3.8, rows: int = 1) -> tuple[Any, list[Any]]:
+    """`count` panels of `width` x `height` inches, filled row by row over `rows` rows."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless; chosen here, not at import, so importing bench stays cheap
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, count, figsize=(width * count, height), squeeze=False)
-    return fig, list(axes[0])
+    columns = -(-count // rows)
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    cells = list(axes.flat)
+    for spare in cells[count:]:
+        spare.axis("off")
+    return fig, cells[:count]
 
 
 def label(axes: Sequence[tuple[Any, str, str]], *, prefix: str, xlabel: str, log2_x: bool = False) -> None:
@@ -38,4 +43,4 @@ def save(fig: Any, path: pathlib.Path) -> None:
 
 # One colour per target in every plot, so panels read together.
 COLORS = {"direct": "tab:blue", "nginx": "tab:orange", "relay alone": "tab:gray", "qosgate": "tab:green",
-          "qosgate HTTP": "tab:purple"}
+          "qosgate HTTP": "tab:purple", "qosgate redis": "tab:red"}
