@@ -1,8 +1,17 @@
 """isolation: a `batch`-class flood at 2x and 4x capacity next to a steady `critical`
 stream, on minilm (request latency) and smollm2 (time to first token); through qosgate
 and, as the reference, the same load straight at Triton with Triton's own priority
-levels set per request (the best Triton alone can do). The gateway's CPU per phase, and
-a py-spy profile of it during an extra phase at the top flood, show where its time goes.
+levels set per request (the best Triton alone can do). The gateway runs with the
+per-model settings config/demo.yaml ships for the two models, nothing else. Next to each
+latency ratio, the batch goodput through qosgate against Triton direct's at the same
+flood. The gateway's CPU per phase, and a py-spy profile of it during an extra phase at
+the top flood, show where its time goes.
+
+The frontier: at the top flood, one more qosgate phase per critical latency objective in
+`FRONTIER_OBJECTIVES` (`scheduler.latency_objective`; none is the default), each with a
+gateway started afresh that first sees the critical stream alone for a while (its
+unloaded baseline); each gives the critical p99 over the unloaded one and the batch
+goodput as a fraction of Triton direct's, the trade-off a latency objective buys.
 
 On minilm one more phase runs through qosgate: instead of the flood, a tenant far over
 its request quota retries in tight loops (`REFUSAL_LOOPS` callers, no pause), so the
@@ -20,9 +29,10 @@ import collections
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import yaml
 from tritonclient.grpc import service_pb2
 
 from bench import flood as flood_process
@@ -53,14 +63,33 @@ REFUSALS_AT_PRIORITY = "qosgate, refusal loops at normal priority"
 # The loops at a second gateway process, the critical stream through the first.
 REFUSALS_ELSEWHERE = "qosgate, refusal loops at a second gateway"
 LOADS = (0, 2, 4)  # flood as a multiple of measured capacity; 0 = unloaded
+TOP = LOADS[-1]
 CAPACITY_DEPTH = 64  # minilm batches up to 32
-# As in config/demo.yaml: vLLM batches continuously, so a wider window keeps it busy;
-# minilm's batcher runs one batch at a time, so batch work waits while a critical request
-# is at Triton (`exclusive_classes`).
-MODEL_POLICIES = {
-    "minilm": {"dispatch_window": 8, "exclusive_classes": ["critical"]},
-    "smollm2": {"dispatch_window": 16},
-}
+DEMO_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "config" / "demo.yaml"
+# The critical class's latency objectives of the frontier phases (None: no objective).
+FRONTIER_OBJECTIVES: tuple[float | None, ...] = (None, 4.0, 2.0, 1.5)
+
+
+def demo_model_policies(models: Sequence[str], path: pathlib.Path = DEMO_CONFIG) -> dict[str, dict[str, Any]]:
+    """The per-model settings `path` ships for `models`, read when the bench runs so that
+    what it measures is what `make run` serves."""
+    shipped = yaml.safe_load(path.read_text())["models"]
+    return {name: dict(shipped[name]) for name in models}
+
+
+def objective_target(objective: float | None) -> str:
+    """The name of a frontier phase's target."""
+    return "qosgate, no latency objective" if objective is None else f"qosgate, critical objective {objective:g}x"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timing:
+    """How long each kind of phase runs, in seconds."""
+
+    phase: float  # the main phases
+    capacity: float  # the capacity probe before them
+    frontier: float  # each latency-objective phase at the top flood
+    lead_in: float  # the critical stream alone before it: the fresh gateway's unloaded baseline
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +117,9 @@ class Phase:
     def critical_latency(self) -> list[float]:
         """Seconds to the first token for streams, to the reply otherwise."""
         return [(o.ttft if o.token_times else o.latency) or 0.0 for o in self.critical if o.ok]
+
+    def critical_p99(self) -> float:
+        return percentile(self.critical_latency(), 99)
 
     def row(self) -> dict[str, object]:
         lat = self.critical_latency()
@@ -183,7 +215,7 @@ async def refusal_phase(target: load.Target, work: Workload, seconds: float, nic
     return await _beside(target, name, work, loops, seconds, CRITICAL, 0)
 
 
-async def measure_model(stack: Stack, work: Workload, seconds: float, cap_seconds: float
+async def measure_model(stack: Stack, work: Workload, policies: dict[str, dict[str, Any]], timing: Timing
                         ) -> tuple[float, list[Phase], profile.Profile | None]:
     targets = [("direct", stack.triton_url, DIRECT_CRITICAL, DIRECT_BATCH)]
     if stack.gateway_url:
@@ -191,10 +223,12 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
     phases = []
     direct = load.Target(stack.triton_url)
     try:
-        cap = await capacity(direct, work, DIRECT_BATCH, cap_seconds)
+        cap = await capacity(direct, work, DIRECT_BATCH, timing.capacity)
     finally:
         await direct.close()
     log.info("%s capacity %.1f req/s", work.model, cap)
+    seconds = timing.phase
+    found = None
     for name, url, critical, batch in targets:
         target = load.Target(url)
         try:
@@ -208,7 +242,7 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
                 log.info("%s", phase.row())
                 phases.append(phase)
             if name == "qosgate" and work.refusal_loops:
-                elsewhere = load.Target(stack.start_second_gateway(tenants=TENANTS, models=MODEL_POLICIES),
+                elsewhere = load.Target(stack.start_second_gateway(tenants=TENANTS, models=policies),
                                         target.epoch)
                 try:
                     for nice, loops_at in ((flood_process.NICE, None), (0, None), (flood_process.NICE, elsewhere)):
@@ -223,11 +257,12 @@ async def measure_model(stack: Stack, work: Workload, seconds: float, cap_second
                     await elsewhere.close()
                     assert stack.second_gateway is not None
                     stack.second_gateway.stop()  # idle, but not through the phases after these
-            found = None
             if name == "qosgate" and profile.py_spy() is not None:
                 found = await profiled_phase(stack, target, work, cap, seconds)
         finally:
             await target.close()
+    if stack.gateway_url:
+        phases += await frontier_phases(stack, work, policies, cap, timing)
     return cap, phases, found
 
 
@@ -241,31 +276,54 @@ async def profiled_phase(stack: Stack, target: load.Target, work: Workload, cap:
     out = RESULTS_DIR / f"isolation-{work.model}-gateway.pyspy.txt"
     recording = asyncio.to_thread(profile.record, stack.gateway.pgid, seconds, out)
     phase, found = await asyncio.gather(
-        run_phase(target, "qosgate (profiled)", work, LOADS[-1], cap, seconds, CRITICAL, BATCH), recording)
+        run_phase(target, "qosgate (profiled)", work, TOP, cap, seconds, CRITICAL, BATCH), recording)
     log.info("%s", phase.row())
     return found
+
+
+async def frontier_phases(stack: Stack, work: Workload, policies: dict[str, dict[str, Any]], cap: float,
+                          timing: Timing) -> list[Phase]:
+    """Per objective of FRONTIER_OBJECTIVES a gateway started afresh: the critical stream
+    alone for the lead-in (not counted), then beside the top flood."""
+    phases = []
+    for objective in FRONTIER_OBJECTIVES:
+        await asyncio.to_thread(stack.wait_idle, work.model)
+        scheduler = None if objective is None else {"latency_objective": {"critical": objective}}
+        target = load.Target(stack.start_gateway(tenants=TENANTS, models=policies, scheduler=scheduler))
+        try:
+            await run_phase(target, "lead-in", work, 0, cap, timing.lead_in, CRITICAL, BATCH)
+            phase = await run_phase(target, objective_target(objective), work, TOP, cap, timing.frontier,
+                                    CRITICAL, BATCH)
+        finally:
+            await target.close()
+        log.info("%s", phase.row())
+        phases.append(phase)
+    return phases
 
 
 def run(ctx: RunContext) -> ScenarioResult:
     # A full run's phases last a minute: the critical stream's p99 is then about its sixth-
     # slowest of some 600 calls, not its third of 300 (four full runs of 30 s phases put
     # the 4x flood's p99 at 1.84-2.69x the unloaded one, on the same code).
-    seconds = ctx.pick(6.0, 60.0)
+    timing = Timing(phase=ctx.pick(6.0, 60.0), capacity=ctx.pick(5.0, 15.0), frontier=ctx.pick(6.0, 30.0),
+                    lead_in=ctx.pick(3.0, 10.0))
     works = [
         Workload("minilm", embedding, streaming=False, critical_rate=10.0, timeout=10.0, batch_timeout=10.0,
                  refusal_loops=True),
         Workload("smollm2", generation, streaming=True, critical_rate=2.0, timeout=60.0, batch_timeout=15.0),
     ]
+    policies = demo_model_policies([w.model for w in works])
     phases: list[Phase] = []
     capacities: dict[str, float] = {}
     tables: dict[str, list[dict[str, object]]] = {}
-    notes = [f"{seconds:.0f} s per phase; floods are Poisson open loops at the multiple of the capacity "
+    notes = [f"{timing.phase:.0f} s per phase; floods are Poisson open loops at the multiple of the capacity "
              f"measured first (closed loop, {CAPACITY_DEPTH} deep, straight at Triton); critical: Poisson "
              + ", ".join(f"{w.critical_rate}/s on {w.model}" for w in works)
              + "; smollm2 streams of 16 tokens (ignore_eos); deadlines critical/batch "
              + ", ".join(f"{w.model} {w.timeout:g}/{w.batch_timeout:g} s" for w in works)
              + "; direct = Triton priority 1 (critical) / 4 (batch); "
-             "qosgate model policies " + "; ".join(f"{m} {p}" for m, p in MODEL_POLICIES.items())
+             "qosgate's per-model settings, as config/demo.yaml ships them: "
+             + "; ".join(f"{m} {p}" for m, p in policies.items())
              + f"; refusal loops: {REFUSAL_LOOPS} callers of a tenant limited to 1 request/s retrying "
              "without pause (minilm, through qosgate)"
              + f"; floods and refusal loops are sent from a process of their own at nice {flood_process.NICE} "
@@ -274,23 +332,63 @@ def run(ctx: RunContext) -> ScenarioResult:
              "and one with the loops (at nice 19) at a second gateway process in front of the same Triton, the "
              "critical stream still through the first"
              + ". Triton's batcher with priority levels (minilm) stalls some requests ~500 ms even "
-             "unloaded, which inflates the direct baseline; the reference shows the absolute p99s."]
+             "unloaded, which inflates the direct baseline; the reference shows the absolute p99s.",
+             f"Frontier: at the {TOP}x flood, a gateway started afresh per critical latency objective ("
+             + ", ".join("none" if x is None else f"{x:g}x" for x in FRONTIER_OBJECTIVES)
+             + f"), {timing.lead_in:.0f} s of the critical stream alone, then {timing.frontier:.0f} s measured; "
+             "its critical p99 over the main qosgate phases' unloaded p99, its batch goodput over Triton "
+             f"direct's at {TOP}x."]
     for work in works:
         with checked(Stack(models=[work.model])) as stack:
             if gateway_available():
-                stack.start_gateway(tenants=TENANTS, models=MODEL_POLICIES)
-            cap, model_phases, found = asyncio.run(measure_model(stack, work, seconds, ctx.pick(5.0, 15.0)))
+                stack.start_gateway(tenants=TENANTS, models=policies)
+            cap, model_phases, found = asyncio.run(measure_model(stack, work, policies, timing))
         capacities[work.model] = cap
         phases += model_phases
         if found is not None:
             tables.update({f"{work.model}: {name}": rows for name, rows in found.tables().items()})
             notes.append(f"{work.model} gateway profile: py-spy, {found.samples} samples during an extra "
-                         f"{LOADS[-1]}x phase; raw stacks in isolation-{work.model}-gateway.pyspy.txt.")
+                         f"{TOP}x phase; raw stacks in isolation-{work.model}-gateway.pyspy.txt.")
     if not gateway_available():
         notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
     notes.append("capacity: " + ", ".join(f"{m} {c:.1f} req/s" for m, c in capacities.items()))
-    return ctx.result(figures(phases), {"phases": [p.row() for p in phases], **tables}, notes,
-                      plot=lambda path: draw(phases, path))
+    frontier_rows = [{"model": model, "run": point.label, "critical p99 / unloaded": round(point.latency_ratio, 2),
+                      "batch goodput % of Triton direct's": round(point.goodput_pct, 1)}
+                     for model in capacities for point in frontier(phases, model)]
+    return ctx.result(figures(phases), {"phases": [p.row() for p in phases], "frontier": frontier_rows, **tables},
+                      notes, plot=lambda path: draw(phases, path))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrontierPoint:
+    """One way of serving the top flood: what it left the critical class's p99 and the
+    batch class's goodput."""
+
+    label: str
+    latency_ratio: float  # critical p99 at the flood over the same target's unloaded p99
+    goodput_pct: float  # batch goodput, % of Triton direct's at the same flood
+
+
+def frontier(phases: Sequence[Phase], model: str) -> list[FrontierPoint]:
+    """Triton direct's point, then one per latency objective measured, in the order of
+    FRONTIER_OBJECTIVES; none without the reference phases."""
+    by = {(p.model, p.target, p.load): p for p in phases}
+    direct_base, direct_top = by.get((model, "direct", 0)), by.get((model, "direct", TOP))
+    gateway_base = by.get((model, "qosgate", 0))
+    if direct_base is None or direct_top is None or gateway_base is None:
+        return []
+    direct_goodput = max(direct_top.batch_goodput(), 1e-9)
+
+    def point(label: str, phase: Phase, base: Phase) -> FrontierPoint:
+        return FrontierPoint(label, phase.critical_p99() / base.critical_p99(),
+                             100 * phase.batch_goodput() / direct_goodput)
+
+    points = [point("Triton direct", direct_top, direct_base)]
+    for objective in FRONTIER_OBJECTIVES:
+        phase = by.get((model, objective_target(objective), TOP))
+        if phase is not None:
+            points.append(point(objective_target(objective), phase, gateway_base))
+    return points
 
 
 def figures(phases: list[Phase]) -> list[Figure]:
@@ -298,29 +396,36 @@ def figures(phases: list[Phase]) -> list[Figure]:
     out = []
     for model in dict.fromkeys(p.model for p in phases):
         metric = "TTFT" if model == "smollm2" else "latency"
+        top, direct_top = by.get((model, "qosgate", TOP)), by.get((model, "direct", TOP))
         ratios, spans = {}, {}
         for target in ("direct", "qosgate"):
-            base, top = by.get((model, target, 0)), by.get((model, target, LOADS[-1]))
-            if base and top:
-                lo, hi = percentile(base.critical_latency(), 99), percentile(top.critical_latency(), 99)
+            base, loaded = by.get((model, target, 0)), by.get((model, target, TOP))
+            if base and loaded:
+                lo, hi = base.critical_p99(), loaded.critical_p99()
                 ratios[target] = hi / lo
                 spans[target] = f"p99 {lo * 1e3:,.0f} -> {hi * 1e3:,.0f} ms"
         refs = [f"qosgate {spans['qosgate']}" if "qosgate" in spans else "",
                 f"Triton alone {ratios['direct']:.2f}x ({spans['direct']})" if "direct" in spans else ""]
-        out.append(Figure(f"{model}: critical p99 {metric} at {LOADS[-1]}x flood / unloaded",
-                          ratios.get("qosgate"), "x", Aim("<=", 1.5), reference="; ".join(r for r in refs if r)))
+        out.append(Figure(f"{model}: critical p99 {metric} at {TOP}x flood / unloaded",
+                          ratios.get("qosgate"), "x", Aim("<=", 2.0), reference="; ".join(r for r in refs if r)))
+        goodput, reference = None, ""
+        if top and direct_top:
+            goodput = 100 * top.batch_goodput() / max(direct_top.batch_goodput(), 1e-9)
+            reference = f"qosgate {top.batch_goodput():.1f}, Triton direct {direct_top.batch_goodput():.1f} ok req/s"
+        out.append(Figure(f"{model}: batch goodput at {TOP}x flood, qosgate / Triton direct", goodput, "%",
+                          Aim(">=", 80.0), reference=reference))
         base, loops = by.get((model, "qosgate", 0)), by.get((model, REFUSALS_TARGET, 0))
         if base and loops:
-            lo, hi = percentile(base.critical_latency(), 99), percentile(loops.critical_latency(), 99)
+            lo, hi = base.critical_p99(), loops.critical_p99()
             reference = f"qosgate p99 {lo * 1e3:,.0f} -> {hi * 1e3:,.0f} ms"
             at_priority = by.get((model, REFUSALS_AT_PRIORITY, 0))
             if at_priority:
-                p99 = percentile(at_priority.critical_latency(), 99)
+                p99 = at_priority.critical_p99()
                 reference += (f"; loops' client at normal priority {p99 * 1e3:,.0f} ms ({p99 / lo:.2f}x, "
                               f"{at_priority.refusals_per_s():,.0f} refusals/s)")
             elsewhere = by.get((model, REFUSALS_ELSEWHERE, 0))
             if elsewhere:
-                p99 = percentile(elsewhere.critical_latency(), 99)
+                p99 = elsewhere.critical_p99()
                 reference += (f"; loops at a second gateway process {p99 * 1e3:,.0f} ms ({p99 / lo:.2f}x, "
                               f"{elsewhere.refusals_per_s():,.0f} refusals/s)")
             out.append(Figure(
@@ -328,10 +433,8 @@ def figures(phases: list[Phase]) -> list[Figure]:
                 Aim("<=", 2.0), reference=reference))
             out.append(Figure(f"{model}: refusals answered per second (refusal loops)", loops.refusals_per_s(),
                               "/s", Aim(">=", 2000.0), reference=f"{REFUSAL_LOOPS} over-quota callers"))
-        top = by.get((model, "qosgate", LOADS[-1]))
-        direct_top = by.get((model, "direct", LOADS[-1]))
         out.append(Figure(
-            f"{model}: critical refusals at {LOADS[-1]}x flood",
+            f"{model}: critical refusals at {TOP}x flood",
             None if top is None else float(sum(not o.ok for o in top.critical)), "", Aim("<=", 0.0),
             reference="" if direct_top is None else
             f"Triton alone {sum(not o.ok for o in direct_top.critical)}"))
@@ -340,9 +443,9 @@ def figures(phases: list[Phase]) -> list[Figure]:
 
 def draw(phases: list[Phase], path: pathlib.Path) -> None:
     models = list(dict.fromkeys(p.model for p in phases))
-    fig, axes = plots.panels(2 * len(models))
+    fig, axes = plots.panels(3 * len(models), rows=len(models))
     for i, model in enumerate(models):
-        lat_ax, good_ax = axes[2 * i], axes[2 * i + 1]
+        lat_ax, good_ax, frontier_ax = axes[3 * i: 3 * i + 3]
         for target in ("direct", "qosgate"):
             mine = [p for p in phases if p.model == model and p.target == target]
             if not mine:
@@ -358,7 +461,7 @@ def draw(phases: list[Phase], path: pathlib.Path) -> None:
                    REFUSALS_ELSEWHERE: ("X", " at a second gateway process")}
         for loops in (p for p in phases if p.model == model and p.target in markers):
             marker, where = markers[loops.target]
-            lat_ax.plot([0], [percentile(loops.critical_latency(), 99) * 1e3], marker,
+            lat_ax.plot([0], [loops.critical_p99() * 1e3], marker,
                         markersize=12, color=plots.COLORS["qosgate"],
                         label=f"qosgate critical p99, {REFUSAL_LOOPS} refusal loops{where} "
                               f"({loops.refusals_per_s():,.0f}/s)")
@@ -371,4 +474,24 @@ def draw(phases: list[Phase], path: pathlib.Path) -> None:
         for ax in (lat_ax, good_ax):
             ax.set_xlabel("batch flood (x capacity)")
             ax.legend(fontsize=7)
+        draw_frontier(frontier_ax, frontier(phases, model), f"{model}: at the {TOP}x flood, critical p99 {metric}")
     plots.save(fig, path)
+
+
+def draw_frontier(ax: Any, points: list[FrontierPoint], title: str) -> None:
+    """qosgate's points by latency objective, joined, and Triton direct's on its own."""
+    ax.set_title(title)
+    if not points:
+        return
+    direct, *gateway = points
+    ax.plot([p.goodput_pct for p in gateway], [p.latency_ratio for p in gateway], marker="o",
+            color=plots.COLORS["qosgate"], label="qosgate, by critical latency objective")
+    for p in gateway:
+        ax.annotate(p.label.removeprefix("qosgate, "), (p.goodput_pct, p.latency_ratio), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+    ax.plot([direct.goodput_pct], [direct.latency_ratio], "s", color=plots.COLORS["direct"],
+            label="Triton direct (its priority levels)")
+    ax.set_xlabel("batch goodput, % of Triton direct's")
+    ax.set_ylabel("critical p99 / unloaded")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
