@@ -2,7 +2,9 @@
 concurrencies, straight at Triton, through nginx grpc_pass, through qosgate's relay alone
 (no policy: the floor of its data path, bench/relay_alone.py) and through qosgate (its
 relay serves ModelInfer); then `--streaming` (ModelStreamInfer, one stream per perf_analyzer
-context) at concurrency 16 on each path.
+context) at concurrency 16 on each path. At concurrency 16 also through a second qosgate
+whose quota store is a Redis (`quota_store: redis`, which also shares fair share between
+gateways), measured in the same rounds as the one with the in-memory store.
 
 The hops' CPU per request comes from /proc (utime+stime of the hop's process group over
 the measurement) divided by the requests Triton counted in the same interval.
@@ -48,6 +50,8 @@ BUSY = 16
 # costs this long before the point runs again.
 PERF_TIMEOUT_S = 120.0
 TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
+# The gateway of the same config with `quota_store: redis` (measured at BUSY, unary).
+REDIS_GATEWAY = "qosgate redis"
 # The gateway's per-model settings (bench.ab measures the same gateway).
 MODELS = {MODEL: {"dispatch_window": 64}}
 ROUNDS = 3  # in the full run
@@ -91,7 +95,7 @@ def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None
 
 def _measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
                     concurrency: int, settings: perf.PerfSettings, *, streaming: bool) -> Sample:
-    headers = (f"authorization:Bearer {API_KEY}",) if target == "qosgate" else ()
+    headers = (f"authorization:Bearer {API_KEY}",) if target in ("qosgate", REDIS_GATEWAY) else ()
     before_count = successes(stack.triton_url)
     before_cpu = hop.cpu_seconds() if hop else 0.0
     point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
@@ -130,7 +134,7 @@ def run(ctx: RunContext) -> ScenarioResult:
     notes = [f"identity model (FP32[16]) as shipped, perf_analyzer 2.51.0 closed loop, "
              f"{settings.requests} requests per point and round; nginx 1 worker with grpc_pass and upstream keepalive."]
     if rounds > 1:
-        notes.append(f"{rounds} rounds, each with nginx, the relay alone and qosgate started afresh; "
+        notes.append(f"{rounds} rounds, each with nginx, the relay alone, both gateways and Redis started afresh; "
                      "every figure is the median of its rounds, the table shows their range.")
     runs: list[tuple[int, Sample]] = []
     found: profile.Profile | None = None
@@ -143,9 +147,13 @@ def run(ctx: RunContext) -> ScenarioResult:
             for concurrency in levels:
                 # Targets interleave at each level so machine drift hits them alike.
                 for name, url, hop in targets:
+                    if name == REDIS_GATEWAY and concurrency != BUSY:
+                        continue
                     runs.append((concurrency, measure_target(stack, name, url, hop, concurrency, settings,
                                                              notes=notes)))
             for name, url, hop in targets:
+                if name == REDIS_GATEWAY:
+                    continue
                 runs.append((BUSY, measure_target(stack, name, url, hop, BUSY, settings, notes=notes,
                                                   streaming=True)))
         points = by_point(runs)
@@ -170,6 +178,9 @@ def start_hops(stack: Stack, with_gateway: bool) -> list[tuple[str, str, GroupPr
         targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
         url = stack.start_gateway(tenants=TENANTS, models=MODELS)
         targets.append(("qosgate", url, stack.gateway))
+        stack.start_redis()
+        url = stack.start_second_gateway(tenants=TENANTS, models=MODELS, redis=True)
+        targets.append((REDIS_GATEWAY, url, stack.second_gateway))
     return targets
 
 
@@ -247,6 +258,13 @@ def summarise(samples: list[tuple[int, Sample]], levels: list[int],
     figures.append(Figure(
         f"qosgate CPU per request, concurrency {BUSY}", gw_cpu, "us", Aim("<=", 100.0),
         reference=f"nginx {cpu(by[(BUSY, 'nginx')])}{alone(BUSY, cpu)}"))
+    redis = by.get((BUSY, REDIS_GATEWAY))
+    if redis is not None:
+        redis_cpu = redis.cpu_us_per_request or 0.0
+        figures.append(Figure(
+            f"qosgate CPU per request at concurrency {BUSY}, redis / in-memory store", redis_cpu / gw_cpu, "x",
+            Aim("<=", 1.2), reference=f"redis store {redis_cpu:.0f} us, in-memory store {gw_cpu:.0f} us; "
+                                      f"redis store {throughput(redis)} infer/s"))
     added = (by[(low, "qosgate")].point.p50_us - direct_p50) / 1e3
     figures.append(Figure(
         f"qosgate p50 added latency, concurrency {low}", added, "ms", Aim("<=", 0.3),
@@ -266,7 +284,8 @@ def summarise(samples: list[tuple[int, Sample]], levels: list[int],
 
 def draw(samples: list[tuple[int, Sample]], path: pathlib.Path) -> None:
     fig, (thr, lat, cpu) = plots.panels(3)
-    targets = sorted({s.target for _, s in samples}, key=["direct", "nginx", "relay alone", "qosgate"].index)
+    targets = sorted({s.target for _, s in samples},
+                     key=["direct", "nginx", "relay alone", "qosgate", REDIS_GATEWAY].index)
     metric: dict[str, Callable[[Sample], float | None]] = {
         "p50": lambda s: s.point.p50_us / 1e3, "p99": lambda s: s.point.p99_us / 1e3}
     for target in targets:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench import policy
 from bench.perf import PerfPoint
-from bench.scenarios.overhead import Sample, by_point, median, spread, summarise
+from bench.scenarios.overhead import REDIS_GATEWAY, Sample, by_point, median, spread, summarise
 
 
 def _sample(target: str, concurrency: int, rate: float, p50_us: float, cpu: float | None,
@@ -39,6 +39,20 @@ def test_the_table_carries_each_points_range_when_there_were_rounds() -> None:
     assert direct["infer/s range"] == "1,000-1,002" and direct["hop CPU range"] == ""
     _, single = summarise(samples, [1, 16])
     assert "infer/s range" not in single["perf_analyzer"][0]
+
+
+def test_the_redis_store_is_held_against_the_in_memory_one_at_concurrency_16() -> None:
+    samples = [_sample(target, c, 1000.0, 300.0, None if target == "direct" else 100.0)
+               for c in (1, 16) for target in ("direct", "nginx", "qosgate")]
+    samples.append(_sample(REDIS_GATEWAY, 16, 900.0, 320.0, 130.0))
+    figures, tables = summarise(samples, [1, 16])
+    redis = next(f for f in figures if "redis / in-memory store" in f.label)
+    assert redis.value == 1.3
+    assert redis.met is False
+    assert redis.reference.startswith("redis store 130 us, in-memory store 100 us")
+    assert [row["target"] for row in tables["perf_analyzer"]].count(REDIS_GATEWAY) == 1
+    without, _ = summarise(samples[:-1], [1, 16])
+    assert not any("redis" in f.label for f in without)
 
 
 async def test_the_policy_measure_decides_and_finishes_real_calls() -> None:
