@@ -157,8 +157,8 @@ $(BENCH_DEPS): $(STAMP)
 	$(PIP) install -q -e '.[bench]'
 	touch $@
 
-# The full suite (about half an hour here); `make bench-quick` runs each scenario for about
-# a minute and rewrites README's performance section from what it measured.
+# The full suite (the better part of an hour here); `make bench-quick` runs each scenario
+# for one to ten minutes and rewrites README's performance section from what it measured.
 bench: setup system-deps-bench tools $(BENCH_DEPS)
 	$(PY) -m bench all
 
