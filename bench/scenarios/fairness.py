@@ -408,7 +408,8 @@ def gateway_figures(shared: Served, unshared: Served, weighted: Served) -> list[
     return [
         Figure("two gateways sharing Redis, skewed ingress: service y/x (larger over smaller)",
                shared.imbalance(), "x", Aim("<=", 1.2),
-               reference=f"{ratio(shared)}; gateways not sharing Redis: {ratio(unshared)}"),
+               reference=f"{ratio(shared)}, {shared.rate():,.1f} calls/s; gateways not sharing Redis: "
+                         f"{ratio(unshared)}, {unshared.rate():,.1f} calls/s"),
         Figure("two gateways sharing Redis, skewed ingress, weights x:y 1:4: worst share deviation",
                weighted.worst_deviation_pct(), "%", Aim("<=", 10.0),
                reference=", ".join(f"{n} {shares[n]:.3f} (aim {expected[n]:.3f})" for n in shares)

@@ -111,6 +111,7 @@ def test_the_two_gateway_ratio_bounds_both_ways() -> None:
     ratio, deviation = gateway_figures(shared, unshared, weighted)
     assert ratio.value == pytest.approx(2.0)  # y got half of x's: as far off as twice
     assert ratio.met is False
-    assert "y/x 0.50" in ratio.reference and "not sharing Redis: y/x 3.00" in ratio.reference
+    assert ratio.reference == ("y/x 0.50 (x 200, y 100 calls, 0 failed), 30.0 calls/s; gateways not sharing "
+                               "Redis: y/x 3.00 (x 100, y 300 calls, 0 failed), 40.0 calls/s")
     assert deviation.value == pytest.approx(50.0)  # x's 0.3 against 0.2
     assert y_over_x(weighted) == pytest.approx(70.0 / 4 / 30.0)  # per unit of weight
