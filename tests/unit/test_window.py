@@ -11,11 +11,12 @@ from qosgate.scheduler import EngineLoad, Scheduler, WindowController
 from qosgate.scheduler.window import (
     IDLE_RESTART_S,
     INTERVAL_S,
+    FAIR_MARGIN,
+    FairCaps,
     FairPart,
     Pressure,
     TenantDemand,
     fair_edge,
-    service_deficit,
 )
 
 from tests.fakes import FakeClock, make_tenant
@@ -118,13 +119,13 @@ def test_an_idle_model_starts_over() -> None:
 
 
 def demand(name: str, weight: float, outstanding: float, occupancy: float | None = 0.1,
-           queued: float = 0.0, served: float = 0.0) -> FairPart:
-    return FairPart(name, weight, outstanding, occupancy, queued, served)
+           served: float = 0.0) -> FairPart:
+    return FairPart(name, weight, outstanding, occupancy, served)
 
 
-def cap_at(tenants: list[FairPart], cap: float, factor: float = 0.9) -> int | None:
+def cap_at(tenants: list[FairPart], cap: float) -> int | None:
     found = fair_edge(tenants, cap)
-    return None if found is None else int(found.left_over + factor * found.edge)
+    return None if found is None else int(found.left_over + FAIR_MARGIN * found.edge)
 
 
 def test_the_fair_edge_is_where_a_closed_loop_tenant_runs_out_of_queue() -> None:
@@ -133,18 +134,29 @@ def test_the_fair_edge_is_where_a_closed_loop_tenant_runs_out_of_queue() -> None
     tenants = [demand("light", 1, 32), demand("medium", 2, 32), demand("heavy", 4, 32)]
     found = fair_edge(tenants, cap=96)
     assert found is not None and found.edge == pytest.approx(56) and found.left_over == 0
+    assert found.shares == pytest.approx({"light": 1 / 7, "medium": 2 / 7, "heavy": 4 / 7})
     # Twice the requests, twice the edge.
-    assert cap_at([demand(t.name, t.weight, 64) for t in tenants], cap=96) == int(0.9 * 112)
+    assert cap_at([demand(t.name, t.weight, 64) for t in tenants], cap=96) == int(FAIR_MARGIN * 112)
 
 
 def test_a_tenant_that_sends_less_than_its_share_is_served_all_it_asks() -> None:
     # An open loop of 2 requests at a time does not compete: the others' fair parts are of
     # what it leaves, and it never holds the cap down to its own size.
     tenants = [demand("trickle", 4, 2), demand("a", 1, 32), demand("b", 1, 32)]
-    assert cap_at(tenants, cap=96) == 2 + int(0.9 * 64)
+    assert cap_at(tenants, cap=96) == 2 + int(FAIR_MARGIN * 64)
     # One competitor alone has nobody to be fair to.
     assert fair_edge([demand("trickle", 4, 2), demand("a", 1, 32)], cap=96) is None
     assert fair_edge([demand("a", 1, 32)], cap=96) is None
+
+
+def test_a_competitor_keeps_competing_down_to_a_lower_bar() -> None:
+    # 20 outstanding against a part of 64 (1/2 of 128): 31% competes, 16% does not...
+    tenants = [demand("a", 1, 20), demand("b", 1, 64)]
+    assert set(fair_edge(tenants, cap=128).shares) == {"a", "b"}
+    dipped = [demand("a", 1, 14), demand("b", 1, 64)]
+    assert fair_edge(dipped, cap=128) is None
+    # ...unless it competed before: its count dips while its answers travel back.
+    assert set(fair_edge(dipped, cap=128, competed=frozenset({"a", "b"})).shares) == {"a", "b"}
 
 
 def test_the_fair_edge_counts_how_long_each_tenant_occupies_a_slot_per_unit_of_service() -> None:
@@ -158,29 +170,18 @@ def test_the_fair_edge_counts_how_long_each_tenant_occupies_a_slot_per_unit_of_s
 
 def test_a_tenant_without_finished_requests_counts_as_typical() -> None:
     tenants = [demand("new", 1, 32, occupancy=None), demand("old", 1, 32, occupancy=0.2)]
-    assert cap_at(tenants, cap=96) == int(0.9 * 64)
+    assert cap_at(tenants, cap=96) == int(FAIR_MARGIN * 64)
 
 
-def test_the_service_deficit_counts_only_thinly_queued_tenants() -> None:
-    # Heavy (4/7) got 0.5 of the service with 2 of its 32 queued: 12.5% short.
-    heavy = demand("heavy", 4, 32, queued=2, served=500)
-    light = demand("light", 1, 32, queued=25, served=200)
-    medium = demand("medium", 2, 32, queued=20, served=300)
-    assert service_deficit([light, medium, heavy]) == pytest.approx(1 - 0.5 / (4 / 7))
-    # Light is short too (0.2 against 1/7 is not short; against a larger weight it would
-    # be), but with its queue full the order by weight serves it: noise, not the cap.
-    assert service_deficit([demand("light", 4, 32, queued=25, served=200), medium]) == 0.0
-
-
-def report(tenants: dict[str, tuple[float, int]], t: float) -> list[TenantDemand]:
-    """The core's report at time `t` of tenants (name -> weight, outstanding), half of
-    each one's requests queued, that have been served in proportion to their weights
-    since 0 at 0.1 request-seconds per unit of cost."""
-    return [TenantDemand(name, weight, n, queued=n // 2, busy_s=weight * t, served=weight * t / 0.1)
+def report(tenants: dict[str, tuple[float, int]], t: float, per_weight: float = 1.0) -> list[TenantDemand]:
+    """The core's report at time `t` of tenants (name -> weight, outstanding), served in
+    proportion to their weights since 0 (`per_weight` units of cost per second per unit
+    of weight) at 0.1 request-seconds per unit of cost."""
+    return [TenantDemand(name, weight, n, busy_s=0.1 * per_weight * weight * t, served=per_weight * weight * t)
             for name, (weight, n) in tenants.items()]
 
 
-def test_the_controller_caps_a_class_where_its_competing_tenants_stay_queued() -> None:
+def test_the_controller_caps_a_class_and_its_tenants_where_they_stay_queued() -> None:
     c = controller(window=96)
     c.slow_start = False
     tenants = {"light": (1.0, 32), "medium": (2.0, 32), "heavy": (4.0, 32)}
@@ -189,34 +190,49 @@ def test_the_controller_caps_a_class_where_its_competing_tenants_stay_queued() -
         return Pressure(limited=False, idle=False, tenants={STANDARD: report(who, t)}, share={STANDARD: 0.75})
 
     c.decide(0.0, at(0.0, tenants))
-    assert c.fair == {STANDARD: int(0.905 * 56)} and c.window == 96
+    # 0.95 of the edge, 56, split 1:2:4 in whole requests (fractions carried over).
+    assert c.fair == {STANDARD: FairCaps(53, {"light": 7, "medium": 15, "heavy": 30})} and c.window == 96
     # The heavy tenant's demand dips for an interval (its answers on the way back to it):
     # smoothed, the cap moves by half the dip.
     c.decide(INTERVAL_S, at(INTERVAL_S, {**tenants, "heavy": (4.0, 24)}))
-    assert c.fair == {STANDARD: int(0.91 * 28 * 7 / 4)}
+    assert c.fair[STANDARD].total == int(FAIR_MARGIN * 28 * 7 / 4)
     # Once only one tenant is left there is nothing to cap.
     c.decide(2 * INTERVAL_S, at(2 * INTERVAL_S, {"heavy": (4.0, 32)}))
     assert c.fair == {}
+
+
+def test_whole_request_parts_average_to_the_fraction() -> None:
+    c = controller(window=96)
+    c.slow_start = False
+    tenants = {"light": (1.0, 32), "medium": (2.0, 32), "heavy": (4.0, 32)}
+    light = []
+    for i in range(70):
+        t = i * INTERVAL_S
+        c.decide(t, Pressure(limited=False, idle=False, tenants={STANDARD: report(tenants, t)}, share={STANDARD: 0.75}))
+        light.append(c.fair[STANDARD].tenants["light"])
+    assert set(light) == {7, 8}
+    assert sum(light) / len(light) == pytest.approx(FAIR_MARGIN * 56 / 7, abs=0.05)
 
 
 def test_occupancy_is_request_seconds_per_unit_of_cost_over_recent_intervals() -> None:
     c = controller(window=64)
     c.slow_start = False
     # Equal weights, 24 streams each; "long" has held a slot 0.4 s per unit of cost and
-    # "short" 0.2 s (its requests finish sooner for the service they give).
+    # "short" 0.2 s (its requests finish sooner for the service they give); each got the
+    # same service.
     def at(t: float) -> Pressure:
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("long", 1.0, 24, queued=8, busy_s=24 * t, served=24 * t / 0.4),
-            TenantDemand("short", 1.0, 24, queued=8, busy_s=24 * t, served=24 * t / 0.2)]})
+            TenantDemand("long", 1.0, 24, busy_s=0.4 * 100 * t, served=100 * t),
+            TenantDemand("short", 1.0, 24, busy_s=0.2 * 100 * t, served=100 * t)]})
 
     for i in range(4):
         c.decide(i * INTERVAL_S, at(i * INTERVAL_S))
-    # Long's fair part is 2/3 of the cap: its 24 cover a cap of 36. (Short got more of
-    # the service, but with a third of its requests queued: noise, not the cap.)
-    assert c.fair == {STANDARD: int(0.92 * 36)}
+    # Long's fair part is 2/3 of the cap: its 24 cover a cap of 36.
+    assert c.fair[STANDARD].total == int(FAIR_MARGIN * 36)
+    assert c.fair[STANDARD].tenants == {"long": pytest.approx(23, abs=1), "short": pytest.approx(11, abs=1)}
 
 
-def test_a_thinly_queued_tenant_served_short_lowers_the_cap_until_it_is_not() -> None:
+def test_a_tenant_served_short_of_its_share_gets_a_larger_part_until_it_is_not() -> None:
     c = controller(window=64)
     c.slow_start = False
     served = {"light": 0.0, "heavy": 0.0}
@@ -225,22 +241,26 @@ def test_a_thinly_queued_tenant_served_short_lowers_the_cap_until_it_is_not() ->
         served["light"] += 100 * (1 - heavy_share)
         served["heavy"] += 100 * heavy_share
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("light", 1.0, 32, queued=20, busy_s=i * 10.0, served=served["light"]),
-            TenantDemand("heavy", 3.0, 32, queued=2, busy_s=i * 30.0, served=served["heavy"])]})
+            TenantDemand("light", 1.0, 32, busy_s=i * 10.0, served=served["light"]),
+            TenantDemand("heavy", 3.0, 32, busy_s=i * 30.0, served=served["heavy"])]})
 
     c.decide(0.0, at(0, 0.75))
-    start = c.fair[STANDARD]  # 0.9 of heavy's 32 / (3/4)
-    # Heavy, queue thin, gets 0.6 of the service where its weight says 0.75: 20% short.
-    # Each interval takes a tenth of the shortfall off, while it lasts.
-    caps = []
-    for i in range(1, 11):
+    # Heavy gets 0.6 of the service where its weight says 0.75: 20% short. Its part grows
+    # a little each interval while that lasts (the service is summed over ~10 s).
+    parts = []
+    for i in range(1, 41):
         c.decide(i * INTERVAL_S, at(i, 0.6))
-        caps.append(c.fair[STANDARD])
-    assert caps == sorted(caps, reverse=True) and caps[-1] < 0.9 * start
-    # Served its share again: the cap creeps back up, a little each interval.
-    for i in range(11, 200):
+        caps = c.fair[STANDARD].tenants
+        parts.append(caps["heavy"] / (caps["heavy"] + caps["light"]))
+    assert parts[-1] > parts[0] + 0.05
+    # Served its share again: the correction stops moving (within a request of rounding).
+    for i in range(41, 400):
         c.decide(i * INTERVAL_S, at(i, 0.75))
-    assert caps[-1] < c.fair[STANDARD] <= int(32 / 0.75)
+    caps = c.fair[STANDARD].tenants
+    settled = caps["heavy"] / (caps["heavy"] + caps["light"])
+    c.decide(400 * INTERVAL_S, at(400, 0.75))
+    caps = c.fair[STANDARD].tenants
+    assert caps["heavy"] / (caps["heavy"] + caps["light"]) == pytest.approx(settled, abs=0.05)
 
 
 def lower(c: WindowController) -> int:

@@ -248,9 +248,9 @@ class ClusterShare:
     @staticmethod
     def _classes(merged: Mapping[tuple[str, int, str], list[float]]) -> dict[tuple[str, int], list[FairPart]]:
         by_class: dict[tuple[str, int], list[FairPart]] = {}
-        for (model, level, tenant), (weight, _, outstanding, queued) in merged.items():
+        for (model, level, tenant), (weight, _, outstanding, _) in merged.items():
             if outstanding:
-                by_class.setdefault((model, level), []).append(FairPart(tenant, weight, outstanding, None, queued))
+                by_class.setdefault((model, level), []).append(FairPart(tenant, weight, outstanding, None))
         return by_class
 
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from qosgate.config import GatewayConfig
 from qosgate.scheduler.classes import class_window, initial_window, sheddable_classes
 from qosgate.scheduler.cluster import ClusterView, GatewayReport, TenantShare
-from qosgate.scheduler.window import Pressure, TenantDemand
+from qosgate.scheduler.window import FairCaps, Pressure, TenantDemand
 from qosgate.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -171,8 +171,10 @@ class _ClassQueue:
     # their own limits, below it count): its reservation, or less while the window's
     # controller holds it back for a higher class's latency objective.
     limit: int = 0
-    # And while fewer than this of its own are (the window's fair-share cap).
+    # And while fewer than this of its own are (the window's fair-share cap), each
+    # competing tenant while it has fewer than its part of it.
     own_cap: int = _NO_CAP
+    tenant_caps: dict[str, int] = field(default_factory=dict)
     # Every tenant seen (so metrics see queues drain to 0); `backlogged` only those with
     # work, so picking the next tenant costs O(tenants waiting), not O(tenants ever seen).
     tenants: dict[str, _TenantQueue] = field(default_factory=dict)
@@ -319,15 +321,13 @@ class _ModelQueues:
         return taken
 
     def window_limits(self, level: int) -> bool:
-        """Whether class `level` has requests queued that its nested reservation of the
-        window holds back (a larger window would let them go; a cap would not)."""
+        """Whether class `level` asks for more than its nested reservation of the window:
+        its requests in flight and queued (with what counts against its limit) exceed it.
+        Its fair-share cap aside: the window is the engine's, sized for what is asked of it,
+        and a cap splits it between tenants. Not while a higher class's latency objective
+        holds it below its reservation (a larger window would not let it go)."""
         klass = self.classes[level]
-        return (
-            klass.live > 0
-            and klass.in_flight < klass.own_cap
-            and klass.limit >= klass.window
-            and self._taken(level) >= klass.window
-        )
+        return klass.live > 0 and klass.limit >= klass.window and self._taken(level) + klass.live > klass.window
 
     def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
@@ -451,13 +451,19 @@ class SchedulingCore:
         return tuple(forgotten)
 
     def _fits(self, waiter: Waiter) -> bool:
-        """Whether `waiter` may be dispatched: its tenant stays within what it may have in
-        flight here while held back for another gateway's starved tenant, and within its
-        in-flight token quota (counting what it holds at other gateways)."""
+        """Whether `waiter` may be dispatched: its tenant stays within its part of its
+        class's fair cap, within what it may have in flight here while held back for
+        another gateway's starved tenant, and within its in-flight token quota (counting
+        what it holds at other gateways)."""
+        level = self._levels[waiter.klass]
+        klass = self._models[waiter.model].classes[level]
+        if klass.tenant_caps:
+            cap = klass.tenant_caps.get(waiter.tenant)
+            if cap is not None and klass.tenant(waiter).in_flight >= cap:
+                return False
         if self._limits:
-            level = self._levels[waiter.klass]
             limit = self._limits.get((waiter.model, level, waiter.tenant))
-            if limit is not None and self._models[waiter.model].classes[level].tenant(waiter).in_flight >= limit:
+            if limit is not None and klass.tenant(waiter).in_flight >= limit:
                 return False
         quota = waiter.token_quota
         if quota is None:
@@ -618,20 +624,23 @@ class SchedulingCore:
         window: int,
         now: float,
         *,
-        fair: Mapping[int, int] | None = None,
+        fair: Mapping[int, FairCaps] | None = None,
         lower: Mapping[int, int] | None = None,
     ) -> Sequence[Waiter]:
         """Set a model's dispatch window and its classes' nested limits; by level, `fair`
-        caps what a class itself has in flight and `lower` its nested limit (classes not
-        named have neither). More room dispatches waiters at once, returned as `release`
-        returns them. Less takes effect as requests finish: nothing in flight is recalled."""
+        caps what a class and its competing tenants have in flight and `lower` the class's
+        nested limit (classes not named have neither). More room dispatches waiters at
+        once, returned as `release` returns them. Less takes effect as requests finish:
+        nothing in flight is recalled."""
         model = self._queues(model_name)
         model.window = window
         for level, klass in enumerate(model.classes):
             klass.window = class_window(self._config, klass.name, window)
             cap = lower.get(level) if lower else None
             klass.limit = klass.window if cap is None else min(klass.window, cap)
-            klass.own_cap = fair.get(level, _NO_CAP) if fair else _NO_CAP
+            caps = fair.get(level) if fair else None
+            klass.own_cap = _NO_CAP if caps is None else caps.total
+            klass.tenant_caps = {} if caps is None else dict(caps.tenants)
         decided: list[Waiter] = []
         self._fill(model, now, decided)
         return decided
@@ -673,7 +682,7 @@ class SchedulingCore:
                 if queue.live or queue.in_flight:
                     queue.occupy(now, 0)
                     outstanding.append(
-                        TenantDemand(queue.name, queue.weight, queue.live + queue.in_flight, queue.live, queue.busy_s, queue.served)
+                        TenantDemand(queue.name, queue.weight, queue.live + queue.in_flight, queue.busy_s, queue.served)
                     )
             if outstanding:
                 tenants[level] = outstanding

@@ -22,10 +22,12 @@ gateway, where classes and weights decide the order. Three bounds, each from its
   requests stay in flight per unit of their cost), so long generations and short ones
   get equal service, not equal slots. A tenant competes while its outstanding requests
   cover at least half of its fair part; one that sends less (an open loop below its
-  share) is served all it asks, and the others' fair parts are of what it leaves. How far
-  short of the edge follows what the tenants really got: a thinly queued tenant served
-  below its weight's share lowers the cap in proportion, and it creeps back up while
-  none is (the engine's throughput is worth having back).
+  share) is served all it asks, and the others' fair parts are of what it leaves. Each
+  competing tenant is held to its part of the cap, so the answers of a batch, coming back
+  together, are not all taken by the tenants queued deepest while the others' next
+  requests are still on their way; and each part follows what the tenant really got,
+  corrected a little each interval by its shortfall from its weight's share of the recent
+  service.
 - A class's latency objective (`scheduler.latency_objective`): the caps of the classes
   below it. While a class with an objective is active beside lower ones and its recent
   first-response latency is above objective x its unloaded baseline, the lower classes'
@@ -46,6 +48,7 @@ in flight the window starts over from where it started (the engine may have chan
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,22 +70,22 @@ ENGINE_STALE_S = 5.0
 WAITING_PERSIST_S = 1.0
 # With nothing queued or in flight this long, the window starts over.
 IDLE_RESTART_S = 5.0
-# A class's fair cap starts this far below its edge (the cap at which a competing
-# tenant would have nothing queued): its callers' turnaround and answers that come back
-# together in a batch empty a thin queue now and then.
-FAIR_START = 0.9
-# A tenant whose outstanding requests cover this fraction of its fair part competes.
-COMPETING = 0.5
-# The fair cap's place below the edge moves with what the competing tenants really got:
-# a thinly queued one served short of its share by more than DEFICIT_TOLERANCE lowers it
-# by DEFICIT_GAIN of that shortfall per interval (the service is summed over some twenty
-# intervals: a full correction each would overshoot), not below FAIR_FLOOR of the edge;
-# while none is, it creeps back up by FAIR_CREEP per interval, to no more than the edge.
-DEFICIT_TOLERANCE = 0.03
-DEFICIT_GAIN = 0.1
-FAIR_FLOOR = 0.5
-FAIR_CREEP = 0.005
-THIN_QUEUE = 0.25
+# A class's fair cap is this far below its edge (the cap at which a competing tenant
+# would have nothing queued): a closed loop's turnaround leaves it a little queue.
+FAIR_MARGIN = 0.95
+# A tenant whose outstanding requests cover this fraction of its fair part of the class's
+# share of the window competes, and keeps competing down to COMPETING_STAY of it (a closed
+# loop's count dips while its answers travel; an open loop's falls as its latency does).
+COMPETING = 0.3
+COMPETING_STAY = 0.2
+# Each competing tenant's part follows what it really got: a part is multiplied by a
+# correction that moves by SHARE_GAIN of the tenant's relative shortfall (or excess) from
+# its weight's share of the recent service, per interval (the service is summed over some
+# twenty intervals: a full correction each would overshoot), within CORRECTION_RANGE.
+# What occupancy cannot see (answers that come back together, callers' turnaround,
+# rounding a small part to whole requests) it corrects.
+SHARE_GAIN = 0.05
+CORRECTION_RANGE = (0.5, 2.0)
 # Outstanding requests are smoothed over intervals: a closed loop's count dips while its
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
@@ -116,8 +119,6 @@ class TenantDemand:
     weight: float
     outstanding: int
     """Requests queued in the gateway plus those in flight."""
-    queued: int
-    """Of those, queued in the gateway."""
     busy_s: float
     """Time integral of its requests in flight so far (request-seconds)."""
     served: float
@@ -133,9 +134,10 @@ class FairPart:
     outstanding: float
     occupancy: float | None
     """Request-seconds in flight per unit of cost served, recently; None: not known yet."""
-    queued: float = 0.0
     served: float = 0.0
-    """Cost served recently (over a few seconds)."""
+    """Cost served recently (over some ten seconds)."""
+    correction: float = 1.0
+    """What its part is multiplied by, learnt from the service it really got."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,8 @@ class FairEdge:
     """The competing tenants' part of the cap at which the first of them would have all
     its outstanding requests in flight, none left queued."""
     competing: tuple[FairPart, ...]
+    shares: Mapping[str, float]
+    """Per competing tenant, its fraction of the competing tenants' part of the cap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,13 +169,24 @@ class Pressure:
 
 
 @dataclass(frozen=True, slots=True)
+class FairCaps:
+    """A class's fair-share cap on what it has in flight, and each competing tenant's
+    part of it: its requests beyond that wait queued even where the class has room, so
+    answers that come back together cannot all be taken by the tenants queued deepest
+    while the others' next requests are still on their way."""
+
+    total: int
+    tenants: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
 class WindowDecision:
     """A model's window and the caps on its classes, by level (a level not named has
-    none): `fair` on what a class itself has in flight, `lower` on the nested limit of a
-    class below a protected one (everything in flight counts against it)."""
+    none): `fair` on what a class and its competing tenants have in flight, `lower` on
+    the nested limit of a class below a protected one (everything in flight counts)."""
 
     window: int
-    fair: Mapping[int, int]
+    fair: Mapping[int, FairCaps]
     lower: Mapping[int, int]
 
 
@@ -211,55 +226,46 @@ class _ClassLatency:
             self.baseline_s = min(recent, self.baseline_s * (1.0 + BASELINE_DRIFT))
 
 
-def fair_edge(tenants: Sequence[FairPart], cap: float) -> FairEdge | None:
+def fair_edge(tenants: Sequence[FairPart], cap: float, competed: frozenset[str] = frozenset()) -> FairEdge | None:
     """Where the class's cap stops covering every competing tenant's fair part with its
     outstanding requests; None while fewer than two compete (nothing to be fair between).
-    Who competes is judged at the class's `cap` now."""
+    Who competes is judged at the class's share of the window, `cap`; those in
+    `competed` (last time) by the lower bar."""
     known = [t.occupancy for t in tenants if t.occupancy]
     typical = statistics.median(known) if known else 1.0
     # Weighted occupancy: a tenant's fair part of the cap is in proportion to it.
-    parts = {t.name: t.weight * (t.occupancy or typical) for t in tenants}
+    parts = {t.name: t.weight * (t.occupancy or typical) * t.correction for t in tenants}
     total = sum(parts.values())
     if total <= 0:
         return None
-    competing = [t for t in tenants if t.outstanding >= COMPETING * cap * parts[t.name] / total]
+    competing = [
+        t
+        for t in tenants
+        if t.outstanding >= (COMPETING_STAY if t.name in competed else COMPETING) * cap * parts[t.name] / total
+    ]
     if len(competing) < 2:
         return None
     left_over = sum(t.outstanding for t in tenants if t not in competing)
     share = sum(parts[t.name] for t in competing)
     edge = min(t.outstanding * share / parts[t.name] for t in competing)
-    return FairEdge(left_over, edge, tuple(competing))
-
-
-def service_deficit(competing: Sequence[FairPart]) -> float:
-    """How far below its weight's share of the recent service the worst-served competing
-    tenant whose queue ran thin is, relative to that share (0: none is). A tenant with
-    plenty queued is ordered by weight already; its deviation is noise."""
-    served = sum(t.served for t in competing)
-    weights = sum(t.weight for t in competing)
-    if served <= 0 or weights <= 0:
-        return 0.0
-    deficits = [
-        1.0 - (t.served / served) / (t.weight / weights)
-        for t in competing
-        if t.queued < THIN_QUEUE * t.outstanding
-    ]
-    return max(deficits, default=0.0)
+    return FairEdge(left_over, edge, tuple(competing), {t.name: parts[t.name] / share for t in competing})
 
 
 class _TenantTrack:
     """A tenant's outstanding requests and occupancy, smoothed over intervals."""
 
-    __slots__ = ("_busy", "_busy_s", "_served", "_served_s", "outstanding", "queued", "service")
+    __slots__ = ("_busy", "_busy_s", "_served", "_served_s", "correction", "outstanding", "residual", "service")
 
     def __init__(self, first: TenantDemand) -> None:
-        self.outstanding, self.queued = float(first.outstanding), float(first.queued)
+        self.outstanding = float(first.outstanding)
         self._busy_s, self._served_s = first.busy_s, first.served
         self._busy = self._served = self.service = 0.0
+        self.correction = 1.0
+        # Of its part, the fraction of a request its whole-request caps have not given yet.
+        self.residual = 0.0
 
     def update(self, now: TenantDemand) -> None:
         self.outstanding = DEMAND_SMOOTHING * self.outstanding + (1 - DEMAND_SMOOTHING) * now.outstanding
-        self.queued = DEMAND_SMOOTHING * self.queued + (1 - DEMAND_SMOOTHING) * now.queued
         served = now.served - self._served_s
         self._busy = OCCUPANCY_DECAY * self._busy + (now.busy_s - self._busy_s)
         self._served = OCCUPANCY_DECAY * self._served + served
@@ -268,7 +274,18 @@ class _TenantTrack:
 
     def part(self, tenant: TenantDemand) -> FairPart:
         occupancy = self._busy / self._served if self._served > 0 else None
-        return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, self.queued, self.service)
+        return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, self.service, self.correction)
+
+    def correct(self, shortfall: float) -> None:
+        low, high = CORRECTION_RANGE
+        self.correction = min(high, max(low, self.correction * (1.0 + SHARE_GAIN * shortfall)))
+
+    def whole(self, part: float) -> int:
+        """`part` requests as a whole number, the fractions carried over so that over time
+        the tenant gets its part on average (at least one)."""
+        cap = max(1, math.floor(part + self.residual))
+        self.residual += part - cap
+        return cap
 
 
 @dataclass(slots=True)
@@ -286,15 +303,15 @@ class WindowController:
     engine_at: float = 0.0
     waiting_since: float | None = None  # since when every reading showed a waiting queue
     idle_since: float | None = None
-    fair: dict[int, int] = field(default_factory=dict)
+    fair: dict[int, FairCaps] = field(default_factory=dict)
     lower: dict[int, int] = field(default_factory=dict)
     # The nested limit of the classes below a protected one; None: none.
     lower_cap: int | None = None
     _initial: int = 0
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
     _tenants: dict[tuple[int, str], _TenantTrack] = field(default_factory=dict)
-    # Per class level, where below its fair edge its cap is set.
-    _fair_factor: dict[int, float] = field(default_factory=dict)
+    # Per class level, who competed at the last decision.
+    _competed: dict[int, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._initial = self.window
@@ -372,9 +389,9 @@ class WindowController:
     def _set_caps(self, now: float, pressure: Pressure) -> None:
         fair = {}
         for level, tenants in pressure.tenants.items():
-            cap = self._fair_cap(level, tenants, pressure.share.get(level, 1.0))
-            if cap is not None:
-                fair[level] = cap
+            caps = self._fair_cap(level, tenants, pressure.share.get(level, 1.0))
+            if caps is not None:
+                fair[level] = caps
         self.fair = fair
         protected = self._protected(now)
         if protected is None:
@@ -383,10 +400,10 @@ class WindowController:
             return
         level, stats = protected
         self._move_lower_cap(stats)
-        cap = self.lower_cap
-        self.lower = {} if cap is None else {lower: cap for lower in pressure.share if lower > level}
+        lower_cap = self.lower_cap
+        self.lower = {} if lower_cap is None else {lower: lower_cap for lower in pressure.share if lower > level}
 
-    def _fair_cap(self, level: int, tenants: Sequence[TenantDemand], share: float) -> int | None:
+    def _fair_cap(self, level: int, tenants: Sequence[TenantDemand], share: float) -> FairCaps | None:
         parts = []
         live = set()
         for tenant in tenants:
@@ -400,18 +417,22 @@ class WindowController:
             parts.append(track.part(tenant))
         for key in [k for k in self._tenants if k[0] == level and k not in live]:
             del self._tenants[key]
-        found = fair_edge(parts, max(1.0, self.window * share))
+        found = fair_edge(parts, max(1.0, self.window * share), self._competed.get(level, frozenset()))
         if found is None:
-            self._fair_factor.pop(level, None)
+            self._competed.pop(level, None)
             return None
-        factor = self._fair_factor.get(level, FAIR_START)
-        deficit = service_deficit(found.competing)
-        if deficit > DEFICIT_TOLERANCE:
-            factor = max(FAIR_FLOOR, factor * (1.0 - DEFICIT_GAIN * deficit))
-        else:
-            factor = min(1.0, factor + FAIR_CREEP)
-        self._fair_factor[level] = factor
-        return max(1, int(found.left_over + factor * found.edge))
+        self._competed[level] = frozenset(found.shares)
+        served = sum(t.served for t in found.competing)
+        weights = sum(t.weight for t in found.competing)
+        for t in found.competing:
+            if served > 0:
+                target = t.weight / weights
+                self._tenants[(level, t.name)].correct((target - t.served / served) / target)
+        competing = FAIR_MARGIN * found.edge
+        return FairCaps(
+            max(1, int(found.left_over + competing)),
+            {name: self._tenants[(level, name)].whole(competing * part) for name, part in found.shares.items()},
+        )
 
     def _protected(self, now: float) -> tuple[int, _ClassLatency] | None:
         """The highest active class with a latency objective, while a lower one is active."""
