@@ -73,7 +73,16 @@ def test_nvidia_vllm_backend() -> None:
 
 
 def test_nvidia_tensorrt_llm_backend() -> None:
-    assert parse_engine_load(TRTLLM)["tensorrt_llm"] == EngineLoad(waiting=2, kv_cache_usage=0.75)
+    assert parse_engine_load(TRTLLM)["tensorrt_llm"] == EngineLoad(waiting=2, kv_cache_usage=0.75, running=30)
+
+
+def test_what_an_llm_engine_runs_is_read_where_it_says() -> None:
+    ours = OURS + 'vllm_engine_requests_running{model="smollm2",version="1"} 64\n'
+    nvidia = NVIDIA_VLLM + 'vllm:num_requests_running{model="llama",version="1"} 12\n'
+    assert parse_engine_load(ours)["smollm2"].running == 64
+    assert parse_engine_load(nvidia)["llama"].running == 12
+    # A batcher says nothing of it.
+    assert parse_engine_load(BATCHER)["minilm"].running is None
 
 
 def test_engine_samples_amid_a_large_page_of_other_families() -> None:

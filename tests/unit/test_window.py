@@ -99,6 +99,33 @@ def test_a_stale_engine_reading_is_ignored() -> None:
     assert step(c, 60, load=None) == 16
 
 
+def test_an_llm_engine_full_at_its_seats_holds_the_window_there() -> None:
+    c = controller(window=48, maximum=256)
+    c.slow_start = False
+    # The window is past what the engine runs at once: requests wait in it, and the
+    # reading says it runs 40 meanwhile.
+    full = EngineLoad(waiting=10, kv_cache_usage=0.3, running=40)
+    assert step(c, 0, load=full) == 54  # a queue for one step is no saturation
+    assert step(c, 1, load=full) == 40  # persisted a second: 40 seats, down to them
+    # With requests still queued in the gateway the window stays at the seats: a higher
+    # class's request finds the seats a lower class's reservation leaves free.
+    quiet = EngineLoad(waiting=0, kv_cache_usage=0.3, running=30)
+    assert [step(c, 2 + i, load=quiet) for i in range(4)] == [40] * 4
+    # After SEATS_PROBE_S without a queue at them it tries a little more.
+    assert step(c, 6, load=quiet) == 45
+    assert step(c, 7, load=quiet) == 45
+    # And back to the seats when the engine queues again.
+    c.engine_load(EngineLoad(waiting=10, kv_cache_usage=0.3, running=40), 12.0)
+    assert step(c, 13, load=EngineLoad(waiting=10, kv_cache_usage=0.3, running=40)) == 40
+
+
+def test_a_window_below_the_seats_grows_to_them_and_no_further() -> None:
+    c = controller(window=32, maximum=256)
+    c.seats, c.seats_at = 40, 0.0
+    c.slow_start = False
+    assert [step(c, i, load=EngineLoad(waiting=0, kv_cache_usage=0.3, running=30)) for i in range(3)] == [36, 40, 40]
+
+
 def test_latency_alone_never_shrinks_the_window() -> None:
     # A batching engine gets slower per request as the window grows, long before it is
     # saturated: only the engine's own queue and KV cache say when it is.
@@ -475,3 +502,26 @@ async def test_closed_loop_tenants_get_their_weights_however_large_the_engine() 
     assert scheduler.snapshot().window["m"] > 56
     for name, weight in weights.items():
         assert served[name] / total == pytest.approx(weight / 7, rel=0.05), served
+
+
+def test_when_who_competes_changes_the_shares_start_over() -> None:
+    c = controller(window=96)
+    c.slow_start = False
+    served = {"light": 0.0, "medium": 0.0, "heavy": 0.0}
+
+    def at(i: int, rates: dict[str, float]) -> Pressure:
+        for name, rate in rates.items():
+            served[name] += rate
+        weights = {"light": 1.0, "medium": 2.0, "heavy": 4.0}
+        return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
+            TenantDemand(name, weights[name], 32, busy_s=i * 3.2, served=served[name]) for name in rates]})
+
+    # Heavy away: light and medium share 1:2, each its share, the corrections at rest.
+    for i in range(40):
+        c.decide(i * INTERVAL_S, at(i, {"light": 100, "medium": 200}))
+    # Heavy is back. What light and medium got alone is not a shortfall of heavy's: the
+    # shares are counted afresh among the three, from where heavy's requests start.
+    for i in range(40, 44):
+        c.decide(i * INTERVAL_S, at(i, {"light": 43, "medium": 86, "heavy": 171}))
+    assert {name: c._tenants[(STANDARD, name)].correction for name in served} == pytest.approx(
+        {"light": 1.0, "medium": 1.0, "heavy": 1.0}, abs=0.01)

@@ -682,7 +682,9 @@ class SchedulingCore:
                 if queue.live or queue.in_flight:
                     queue.occupy(now, 0)
                     outstanding.append(
-                        TenantDemand(queue.name, queue.weight, queue.live + queue.in_flight, queue.busy_s, queue.served)
+                        TenantDemand(
+                            queue.name, queue.weight, queue.live + queue.in_flight, queue.busy_s, queue.served, queue.remote
+                        )
                     )
             if outstanding:
                 tenants[level] = outstanding

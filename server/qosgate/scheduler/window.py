@@ -4,13 +4,16 @@ it sets on the classes inside it: pure, on the caller's `now`.
 The window is what the model may have in flight at its engines; the rest waits in the
 gateway, where classes and weights decide the order. Three bounds, each from its own fact:
 
-- Throughput: the window. While requests wait in the gateway because the window is full,
-  it grows (doubling until the first shrink, then by an eighth) until the engine itself
-  says it is saturated: requests waiting inside it for a second or more (vLLM's or
-  TensorRT-LLM's waiting queue; for Triton's dynamic batcher its pending requests, past
-  a batch being formed) or a nearly full KV cache. Then it shrinks by a fifth. So the
-  window is what the engine runs at once: what vLLM runs without queueing, what a
-  batcher executes plus the batch it forms; the engine never waits for the gateway.
+- Throughput: the window. While the classes ask for more than it holds, it grows
+  (doubling until the first shrink, then by an eighth) until the engine itself says it
+  is saturated: requests waiting inside it for a second or more (vLLM's or TensorRT-LLM's
+  waiting queue; for Triton's dynamic batcher its pending requests, past a batch being
+  formed) or a nearly full KV cache. Then it shrinks by a fifth, or, for an LLM engine
+  that says how many it runs, to that: its seats, which the window then does not pass
+  (probing a little more after SEATS_PROBE_S at them without a queue). So the window is
+  what the engine runs at once: what vLLM runs without queueing, what a batcher executes
+  plus the batch it forms; the engine never waits for the gateway, and the seats a lower
+  class's nested reservation leaves free are free in the engine too.
 - Fair share: each class's cap. Fair share orders only what waits in the gateway. A
   tenant whose requests are all in flight cannot be given more, however far below its
   weight it is served: with closed-loop callers (each sends its next request when one
@@ -70,6 +73,9 @@ ENGINE_STALE_S = 5.0
 WAITING_PERSIST_S = 1.0
 # With nothing queued or in flight this long, the window starts over.
 IDLE_RESTART_S = 5.0
+# A window held at an LLM engine's seats, with no queue in the engine this long, tries a
+# little more.
+SEATS_PROBE_S = 5.0
 # A class's fair cap is this far below its edge (the cap at which a competing tenant
 # would have nothing queued): a closed loop's turnaround leaves it a little queue.
 FAIR_MARGIN = 0.95
@@ -85,7 +91,7 @@ COMPETING_STAY = 0.2
 # What occupancy cannot see (answers that come back together, callers' turnaround,
 # rounding a small part to whole requests) it corrects.
 SHARE_GAIN = 0.05
-CORRECTION_RANGE = (0.5, 2.0)
+CORRECTION_RANGE = (0.2, 5.0)
 # Outstanding requests are smoothed over intervals: a closed loop's count dips while its
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
@@ -109,6 +115,8 @@ class EngineLoad:
     """Requests queued inside the engine, not yet running (a batcher: its pending ones)."""
     kv_cache_usage: float | None
     """Fraction of the KV cache in use (0..1); None if the engine does not say."""
+    running: float | None = None
+    """Requests the engine runs now (an LLM engine's batch); None if it does not say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,8 @@ class TenantDemand:
     """Time integral of its requests in flight so far (request-seconds)."""
     served: float
     """Cost of its requests finished so far."""
+    elsewhere: float = 0.0
+    """Cost charged to it at the other gateways sharing Redis so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +145,7 @@ class FairPart:
     occupancy: float | None
     """Request-seconds in flight per unit of cost served, recently; None: not known yet."""
     served: float = 0.0
-    """Cost served recently (over some ten seconds)."""
+    """Cost served per interval recently (over some ten seconds), here and elsewhere."""
     correction: float = 1.0
     """What its part is multiplied by, learnt from the service it really got."""
 
@@ -254,12 +264,14 @@ def fair_edge(tenants: Sequence[FairPart], cap: float, competed: frozenset[str] 
 class _TenantTrack:
     """A tenant's outstanding requests and occupancy, smoothed over intervals."""
 
-    __slots__ = ("_busy", "_busy_s", "_served", "_served_s", "correction", "outstanding", "residual", "service")
+    __slots__ = (
+        "_busy", "_busy_s", "_elsewhere", "_served", "_served_s", "_span", "correction", "outstanding", "residual", "service"
+    )
 
     def __init__(self, first: TenantDemand) -> None:
         self.outstanding = float(first.outstanding)
-        self._busy_s, self._served_s = first.busy_s, first.served
-        self._busy = self._served = self.service = 0.0
+        self._busy_s, self._served_s, self._elsewhere = first.busy_s, first.served, first.elsewhere
+        self._busy = self._served = self.service = self._span = 0.0
         self.correction = 1.0
         # Of its part, the fraction of a request its whole-request caps have not given yet.
         self.residual = 0.0
@@ -267,14 +279,25 @@ class _TenantTrack:
     def update(self, now: TenantDemand) -> None:
         self.outstanding = DEMAND_SMOOTHING * self.outstanding + (1 - DEMAND_SMOOTHING) * now.outstanding
         served = now.served - self._served_s
+        # A gateway gone takes its count with it: nothing was served back.
+        elsewhere = max(0.0, now.elsewhere - self._elsewhere)
         self._busy = OCCUPANCY_DECAY * self._busy + (now.busy_s - self._busy_s)
         self._served = OCCUPANCY_DECAY * self._served + served
-        self.service = SERVICE_DECAY * self.service + served
-        self._busy_s, self._served_s = now.busy_s, now.served
+        self.service = SERVICE_DECAY * self.service + served + elsewhere
+        # How many intervals `service` sums, decayed alike: a tenant back after a pause
+        # has its rate compared, not a sum over a shorter past.
+        self._span = SERVICE_DECAY * self._span + 1.0
+        self._busy_s, self._served_s, self._elsewhere = now.busy_s, now.served, now.elsewhere
 
     def part(self, tenant: TenantDemand) -> FairPart:
         occupancy = self._busy / self._served if self._served > 0 else None
-        return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, self.service, self.correction)
+        rate = self.service / self._span if self._span else 0.0
+        return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, rate, self.correction)
+
+    def start_over(self) -> None:
+        """Forget the service it got and what that taught (see `_fair_cap`)."""
+        self.service = self._span = 0.0
+        self.correction = 1.0
 
     def correct(self, shortfall: float) -> None:
         low, high = CORRECTION_RANGE
@@ -303,6 +326,11 @@ class WindowController:
     engine_at: float = 0.0
     waiting_since: float | None = None  # since when every reading showed a waiting queue
     idle_since: float | None = None
+    # What an LLM engine runs at once, learnt when requests kept waiting in it; the
+    # window does not grow past it (a request sent beyond it only waits in the engine,
+    # where a higher class's request then waits behind it for a seat).
+    seats: int | None = None
+    seats_at: float = 0.0
     fair: dict[int, FairCaps] = field(default_factory=dict)
     lower: dict[int, int] = field(default_factory=dict)
     # The nested limit of the classes below a protected one; None: none.
@@ -351,6 +379,9 @@ class WindowController:
             self.waiting_since = None
         elif self.waiting_since is None:
             self.waiting_since = now
+        elif load.running is not None and now - self.waiting_since >= WAITING_PERSIST_S:
+            # Requests kept waiting while these ran: what the engine runs at once.
+            self.seats, self.seats_at = max(1, int(load.running)), now
 
     def decide(self, now: float, pressure: Pressure) -> WindowDecision | None:
         """The new window and caps if they move now, else None. Call often: it acts once
@@ -376,15 +407,27 @@ class WindowController:
             return
         self.idle_since = None
         load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
+        seats = self.seats
         if load is not None and (
             (self.waiting_since is not None and now - self.waiting_since >= WAITING_PERSIST_S)
             or (load.kv_cache_usage is not None and load.kv_cache_usage >= KV_CACHE_HIGH)
         ):
-            self.window = max(self.minimum, int(self.window * DECREASE))
+            shrunk = seats if seats is not None and self.window > seats else int(self.window * DECREASE)
+            self.window = max(self.minimum, shrunk)
             self.slow_start = False
         elif pressure.limited:
             step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
-            self.window = min(self.maximum, self.window + step)
+            grown = min(self.maximum, self.window + step)
+            if seats is not None and grown > seats:
+                if self.window < seats:
+                    grown = seats
+                elif now - self.seats_at >= SEATS_PROBE_S:
+                    # Full at its seats without a queue for a while: perhaps it runs more
+                    # now (shorter prompts leave KV for more sequences). Ask it.
+                    self.seats, self.seats_at = grown, now
+                else:
+                    grown = self.window
+            self.window = grown
 
     def _set_caps(self, now: float, pressure: Pressure) -> None:
         fair = {}
@@ -404,30 +447,40 @@ class WindowController:
         self.lower = {} if lower_cap is None else {lower: lower_cap for lower in pressure.share if lower > level}
 
     def _fair_cap(self, level: int, tenants: Sequence[TenantDemand], share: float) -> FairCaps | None:
-        parts = []
-        live = set()
+        tracks = []
         for tenant in tenants:
-            key = (level, tenant.name)
-            live.add(key)
-            track = self._tenants.get(key)
+            track = self._tenants.get((level, tenant.name))
             if track is None:
-                track = self._tenants[key] = _TenantTrack(tenant)
+                track = self._tenants[(level, tenant.name)] = _TenantTrack(tenant)
             else:
                 track.update(tenant)
-            parts.append(track.part(tenant))
+            tracks.append((tenant, track))
+        live = {(level, tenant.name) for tenant in tenants}
         for key in [k for k in self._tenants if k[0] == level and k not in live]:
             del self._tenants[key]
-        found = fair_edge(parts, max(1.0, self.window * share), self._competed.get(level, frozenset()))
+        cap = max(1.0, self.window * share)
+        before = self._competed.get(level, frozenset())
+        found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, before)
         if found is None:
             self._competed.pop(level, None)
             return None
-        self._competed[level] = frozenset(found.shares)
+        if frozenset(found.shares) != before:
+            # Who competes changed: the service each got before was shared among others.
+            # The shares and what corrects them start over among those competing now.
+            self._competed[level] = frozenset(found.shares)
+            for tenant, track in tracks:
+                track.start_over()
+            found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, before) or found
+            return self._fair_caps(level, found)
         served = sum(t.served for t in found.competing)
         weights = sum(t.weight for t in found.competing)
         for t in found.competing:
             if served > 0:
                 target = t.weight / weights
                 self._tenants[(level, t.name)].correct((target - t.served / served) / target)
+        return self._fair_caps(level, found)
+
+    def _fair_caps(self, level: int, found: FairEdge) -> FairCaps:
         competing = FAIR_MARGIN * found.edge
         return FairCaps(
             max(1, int(found.left_over + competing)),

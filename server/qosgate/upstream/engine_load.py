@@ -5,12 +5,12 @@ engine, and the largest KV-cache use (for the dispatch windows); and each upstre
 reading (for `prefix_affinity` routing, which passes over a saturated replica). The
 metrics read (the first family found wins):
 
-| engine                          | waiting requests                            | KV-cache use                                      |
-|---------------------------------|---------------------------------------------|---------------------------------------------------|
-| every Triton model              | `nv_inference_pending_request_count` (the scheduler's queue: a dynamic batcher's pending requests) | - |
-| our vLLM backend                | + `vllm_engine_requests_waiting`            | `vllm_engine_kv_cache_usage` (0..1)               |
-| NVIDIA's vLLM backend           | + `vllm:num_requests_waiting`               | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` (0..1) |
-| NVIDIA's TensorRT-LLM backend   | + `nv_trt_llm_request_metrics{request_type="waiting"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
+| engine                          | waiting requests                            | running requests | KV-cache use                                      |
+|---------------------------------|---------------------------------------------|------------------|---------------------------------------------------|
+| every Triton model              | `nv_inference_pending_request_count` (the scheduler's queue: a dynamic batcher's pending requests) | - | - |
+| our vLLM backend                | + `vllm_engine_requests_waiting`            | `vllm_engine_requests_running` | `vllm_engine_kv_cache_usage` (0..1)               |
+| NVIDIA's vLLM backend           | + `vllm:num_requests_waiting`               | `vllm:num_requests_running` | `vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` (0..1) |
+| NVIDIA's TensorRT-LLM backend   | + `nv_trt_llm_request_metrics{request_type="waiting"}` | `...{request_type="active"}` | `nv_trt_llm_kv_cache_block_metrics` used / max blocks |
 
 All carry a `model` label (Triton's model name). Triton's pending count is the batcher's
 queue (requests not yet in an executing batch); a decoupled LLM backend takes its
@@ -35,6 +35,7 @@ POLL_INTERVAL_S = 0.5
 _TIMEOUT_S = 2.0
 
 _WAITING = ("vllm_engine_requests_waiting", "vllm:num_requests_waiting")
+_RUNNING = ("vllm_engine_requests_running", "vllm:num_requests_running")
 _KV_USAGE = ("vllm_engine_kv_cache_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _TRTLLM_REQUESTS = "nv_trt_llm_request_metrics"
 _TRTLLM_KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
@@ -45,6 +46,7 @@ _ENGINE_PREFIXES = ("vllm_engine_", "vllm:", "nv_trt_llm_", _PENDING)
 @dataclass(slots=True)
 class _Reading:
     waiting: float = 0.0
+    running: float | None = None
     kv_cache_usage: float | None = None
     trtllm_kv: dict[str, float] = field(default_factory=dict)
 
@@ -68,10 +70,14 @@ def parse_engine_load(text: str) -> dict[str, EngineLoad]:
             reading = readings.setdefault(model, _Reading())
             if name in _WAITING or name == _PENDING:
                 reading.waiting += sample.value
+            elif name in _RUNNING:
+                reading.running = (reading.running or 0.0) + sample.value
             elif name in _KV_USAGE:
                 reading.kv_cache_usage = max(reading.kv_cache_usage or 0.0, sample.value)
             elif name == _TRTLLM_REQUESTS and sample.labels.get("request_type") == "waiting":
                 reading.waiting += sample.value
+            elif name == _TRTLLM_REQUESTS and sample.labels.get("request_type") == "active":
+                reading.running = (reading.running or 0.0) + sample.value
             elif name == _TRTLLM_KV_BLOCKS:
                 reading.trtllm_kv[sample.labels.get("kv_cache_block_type", "")] = sample.value
     loads: dict[str, EngineLoad] = {}
@@ -80,7 +86,7 @@ def parse_engine_load(text: str) -> dict[str, EngineLoad]:
         blocks = reading.trtllm_kv
         if usage is None and blocks.get("max"):
             usage = blocks.get("used", 0.0) / blocks["max"]
-        loads[model] = EngineLoad(waiting=reading.waiting, kv_cache_usage=usage)
+        loads[model] = EngineLoad(waiting=reading.waiting, kv_cache_usage=usage, running=reading.running)
     return loads
 
 
@@ -93,7 +99,8 @@ def _merge(loads: Iterable[dict[str, EngineLoad]]) -> dict[str, EngineLoad]:
                 merged[model] = load
                 continue
             usages = [u for u in (seen.kv_cache_usage, load.kv_cache_usage) if u is not None]
-            merged[model] = EngineLoad(seen.waiting + load.waiting, max(usages) if usages else None)
+            running = None if seen.running is None and load.running is None else (seen.running or 0.0) + (load.running or 0.0)
+            merged[model] = EngineLoad(seen.waiting + load.waiting, max(usages) if usages else None, running)
     return merged
 
 
