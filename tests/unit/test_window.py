@@ -204,7 +204,7 @@ def report(tenants: dict[str, tuple[float, int]], t: float, per_weight: float = 
     """The core's report at time `t` of tenants (name -> weight, outstanding), served in
     proportion to their weights since 0 (`per_weight` units of cost per second per unit
     of weight) at 0.1 request-seconds per unit of cost."""
-    return [TenantDemand(name, weight, n, busy_s=0.1 * per_weight * weight * t, served=per_weight * weight * t)
+    return [TenantDemand(name, weight, n, busy_s=0.1 * per_weight * weight * t, charged=per_weight * weight * t)
             for name, (weight, n) in tenants.items()]
 
 
@@ -249,8 +249,8 @@ def test_occupancy_is_request_seconds_per_unit_of_cost_over_recent_intervals() -
     # same service.
     def at(t: float) -> Pressure:
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("long", 1.0, 24, busy_s=0.4 * 100 * t, served=100 * t),
-            TenantDemand("short", 1.0, 24, busy_s=0.2 * 100 * t, served=100 * t)]})
+            TenantDemand("long", 1.0, 24, busy_s=0.4 * 100 * t, charged=100 * t),
+            TenantDemand("short", 1.0, 24, busy_s=0.2 * 100 * t, charged=100 * t)]})
 
     for i in range(4):
         c.decide(i * INTERVAL_S, at(i * INTERVAL_S))
@@ -268,8 +268,8 @@ def test_a_tenant_served_short_of_its_share_gets_a_larger_part_until_it_is_not()
         served["light"] += 100 * (1 - heavy_share)
         served["heavy"] += 100 * heavy_share
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("light", 1.0, 32, busy_s=i * 10.0, served=served["light"]),
-            TenantDemand("heavy", 3.0, 32, busy_s=i * 30.0, served=served["heavy"])]})
+            TenantDemand("light", 1.0, 32, busy_s=i * 10.0, charged=served["light"]),
+            TenantDemand("heavy", 3.0, 32, busy_s=i * 30.0, charged=served["heavy"])]})
 
     c.decide(0.0, at(0, 0.75))
     # Heavy gets 0.6 of the service where its weight says 0.75: 20% short. Its part grows
@@ -514,7 +514,7 @@ def test_when_who_competes_changes_the_shares_start_over() -> None:
             served[name] += rate
         weights = {"light": 1.0, "medium": 2.0, "heavy": 4.0}
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand(name, weights[name], 32, busy_s=i * 3.2, served=served[name]) for name in rates]})
+            TenantDemand(name, weights[name], 32, busy_s=i * 3.2, charged=served[name]) for name in rates]})
 
     # Heavy away: light and medium share 1:2, each its share, the corrections at rest.
     for i in range(40):

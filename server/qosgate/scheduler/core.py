@@ -129,13 +129,12 @@ class _TenantQueue:
     # Virtual start tag of the head request; meaningful only while live > 0.
     start: float = 0.0
     finish: float = 0.0
-    # Requests in flight, the time integral of that (request-seconds, up to `busy_at`)
-    # and the cost of those finished: how long its requests occupy the engine per unit of
-    # service, for the window's fair-share caps.
+    # Requests in flight and the time integral of that (request-seconds, up to `busy_at`):
+    # with `charged`, how long its requests occupy the engine per unit of service, for
+    # the window's fair-share caps.
     in_flight: int = 0
     busy_s: float = 0.0
     busy_at: float = 0.0
-    served: float = 0.0
     # Cost charged to it at dispatch (settles included), what other gateways read; and
     # what they reported charging it, as last taken into its tags.
     charged: float = 0.0
@@ -605,7 +604,6 @@ class SchedulingCore:
         klass.in_flight -= 1
         tenant = klass.tenant(waiter)
         tenant.occupy(now, -1)
-        tenant.served += waiter.cost
         key = (waiter.model, waiter.tenant)
         self._served[key] = self._served.get(key, 0.0) + waiter.cost
         decided: list[Waiter] = []
@@ -683,7 +681,12 @@ class SchedulingCore:
                     queue.occupy(now, 0)
                     outstanding.append(
                         TenantDemand(
-                            queue.name, queue.weight, queue.live + queue.in_flight, queue.busy_s, queue.served, queue.remote
+                            queue.name,
+                            queue.weight,
+                            queue.live + queue.in_flight,
+                            queue.busy_s,
+                            queue.charged,
+                            queue.remote,
                         )
                     )
             if outstanding:

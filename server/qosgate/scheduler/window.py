@@ -95,7 +95,7 @@ CORRECTION_RANGE = (0.2, 5.0)
 # Outstanding requests are smoothed over intervals: a closed loop's count dips while its
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
-# Occupancy is the ratio of request-seconds to cost served, each summed over intervals
+# Occupancy is the ratio of request-seconds to cost charged here, each summed over intervals
 # with this decay, and so is the service each tenant got: a horizon of about ten seconds,
 # over which a generation of a few seconds finishes often enough that its cost, counted
 # when it ends, does not come in lumps; a tenant that changes what it sends still shows.
@@ -129,8 +129,9 @@ class TenantDemand:
     """Requests queued in the gateway plus those in flight."""
     busy_s: float
     """Time integral of its requests in flight so far (request-seconds)."""
-    served: float
-    """Cost of its requests finished so far."""
+    charged: float
+    """Cost charged to it at dispatch so far (an estimate, settled when a request ends):
+    its service as fair share counts it, without waiting for long requests to end."""
     elsewhere: float = 0.0
     """Cost charged to it at the other gateways sharing Redis so far."""
 
@@ -143,7 +144,7 @@ class FairPart:
     weight: float
     outstanding: float
     occupancy: float | None
-    """Request-seconds in flight per unit of cost served, recently; None: not known yet."""
+    """Request-seconds in flight per unit of cost charged, recently; None: not known yet."""
     served: float = 0.0
     """Cost served per interval recently (over some ten seconds), here and elsewhere."""
     correction: float = 1.0
@@ -265,32 +266,32 @@ class _TenantTrack:
     """A tenant's outstanding requests and occupancy, smoothed over intervals."""
 
     __slots__ = (
-        "_busy", "_busy_s", "_elsewhere", "_served", "_served_s", "_span", "correction", "outstanding", "residual", "service"
+        "_busy", "_busy_s", "_charged", "_local", "_local_s", "_span", "correction", "outstanding", "residual", "service"
     )
 
     def __init__(self, first: TenantDemand) -> None:
         self.outstanding = float(first.outstanding)
-        self._busy_s, self._served_s, self._elsewhere = first.busy_s, first.served, first.elsewhere
-        self._busy = self._served = self.service = self._span = 0.0
+        self._busy_s, self._local_s = first.busy_s, first.charged
+        self._charged = first.charged + first.elsewhere
+        self._busy = self._local = self.service = self._span = 0.0
         self.correction = 1.0
         # Of its part, the fraction of a request its whole-request caps have not given yet.
         self.residual = 0.0
 
     def update(self, now: TenantDemand) -> None:
         self.outstanding = DEMAND_SMOOTHING * self.outstanding + (1 - DEMAND_SMOOTHING) * now.outstanding
-        served = now.served - self._served_s
-        # A gateway gone takes its count with it: nothing was served back.
-        elsewhere = max(0.0, now.elsewhere - self._elsewhere)
+        charged = now.charged + now.elsewhere
         self._busy = OCCUPANCY_DECAY * self._busy + (now.busy_s - self._busy_s)
-        self._served = OCCUPANCY_DECAY * self._served + served
-        self.service = SERVICE_DECAY * self.service + served + elsewhere
+        self._local = OCCUPANCY_DECAY * self._local + (now.charged - self._local_s)
+        # A gateway gone takes its count with it: that is no negative service.
+        self.service = SERVICE_DECAY * self.service + max(0.0, charged - self._charged)
         # How many intervals `service` sums, decayed alike: a tenant back after a pause
         # has its rate compared, not a sum over a shorter past.
         self._span = SERVICE_DECAY * self._span + 1.0
-        self._busy_s, self._served_s, self._elsewhere = now.busy_s, now.served, now.elsewhere
+        self._busy_s, self._local_s, self._charged = now.busy_s, now.charged, charged
 
     def part(self, tenant: TenantDemand) -> FairPart:
-        occupancy = self._busy / self._served if self._served > 0 else None
+        occupancy = self._busy / self._local if self._local > 0 else None
         rate = self.service / self._span if self._span else 0.0
         return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, rate, self.correction)
 
