@@ -416,7 +416,10 @@ class WindowController:
             shrunk = seats if seats is not None and self.window > seats else int(self.window * DECREASE)
             self.window = max(self.minimum, shrunk)
             self.slow_start = False
-        elif pressure.limited:
+        elif pressure.limited and not (load is not None and self.waiting_since is not None):
+            # (Not while the engine has a queue, however young: slow start doubles every
+            # interval, and a second of waiting for saturation to show is a doubling too
+            # many, a backlog in the engine that the classes above then wait behind.)
             step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
             grown = min(self.maximum, self.window + step)
             if seats is not None and grown > seats:
