@@ -525,3 +525,21 @@ def test_when_who_competes_changes_the_shares_start_over() -> None:
         c.decide(i * INTERVAL_S, at(i, {"light": 43, "medium": 86, "heavy": 171}))
     assert {name: c._tenants[(STANDARD, name)].correction for name in served} == pytest.approx(
         {"light": 1.0, "medium": 1.0, "heavy": 1.0}, abs=0.01)
+
+
+def test_a_reload_that_changes_weights_starts_the_shares_over() -> None:
+    c = controller(window=96)
+    c.slow_start = False
+
+    def at(i: int, weights: dict[str, float], served: dict[str, float]) -> Pressure:
+        return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
+            TenantDemand(name, weight, 32, busy_s=i * 3.2, charged=served[name] * i) for name, weight in weights.items()]})
+
+    # At 1:1, x served a third: its correction grows.
+    for i in range(40):
+        c.decide(i * INTERVAL_S, at(i, {"x": 1.0, "y": 1.0}, {"x": 100, "y": 200}))
+    assert c._tenants[(STANDARD, "x")].correction > 1.5
+    # Reweighed to 1:4, the same service is x's share already: what was learnt is for
+    # other weights, and goes.
+    c.decide(40 * INTERVAL_S, at(40, {"x": 1.0, "y": 4.0}, {"x": 100, "y": 200}))
+    assert c._tenants[(STANDARD, "x")].correction == 1.0

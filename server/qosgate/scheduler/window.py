@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 INTERVAL_S = 0.5
@@ -237,7 +237,7 @@ class _ClassLatency:
             self.baseline_s = min(recent, self.baseline_s * (1.0 + BASELINE_DRIFT))
 
 
-def fair_edge(tenants: Sequence[FairPart], cap: float, competed: frozenset[str] = frozenset()) -> FairEdge | None:
+def fair_edge(tenants: Sequence[FairPart], cap: float, competed: Collection[str] = ()) -> FairEdge | None:
     """Where the class's cap stops covering every competing tenant's fair part with its
     outstanding requests; None while fewer than two compete (nothing to be fair between).
     Who competes is judged at the class's share of the window, `cap`; those in
@@ -339,8 +339,8 @@ class WindowController:
     _initial: int = 0
     _classes: dict[int, _ClassLatency] = field(default_factory=dict)
     _tenants: dict[tuple[int, str], _TenantTrack] = field(default_factory=dict)
-    # Per class level, who competed at the last decision.
-    _competed: dict[int, frozenset[str]] = field(default_factory=dict)
+    # Per class level, who competed at the last decision, and with what weight.
+    _competed: dict[int, frozenset[tuple[str, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._initial = self.window
@@ -464,17 +464,18 @@ class WindowController:
             del self._tenants[key]
         cap = max(1.0, self.window * share)
         before = self._competed.get(level, frozenset())
-        found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, before)
+        found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, {name for name, _ in before})
         if found is None:
             self._competed.pop(level, None)
             return None
-        if frozenset(found.shares) != before:
-            # Who competes changed: the service each got before was shared among others.
-            # The shares and what corrects them start over among those competing now.
-            self._competed[level] = frozenset(found.shares)
+        competing = frozenset((t.name, t.weight) for t in found.competing)
+        if competing != before:
+            # Who competes changed, or their weights (a reload): the service each got
+            # before was shared by other rules. Shares and what corrects them start over.
+            self._competed[level] = competing
             for tenant, track in tracks:
                 track.start_over()
-            found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, before) or found
+            found = fair_edge([track.part(tenant) for tenant, track in tracks], cap, {name for name, _ in before}) or found
             return self._fair_caps(level, found)
         served = sum(t.served for t in found.competing)
         weights = sum(t.weight for t in found.competing)
