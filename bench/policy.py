@@ -50,9 +50,9 @@ async def measure(calls: int, rounds: int) -> list[float]:
     gateway = Gateway(config, serve_metrics=False)
     for upstream in gateway.pool.upstreams:
         upstream.live = True
-    policy = InferAdmissionPolicy(
-        config=config, plane=gateway.dataplane, pool=gateway.pool, heap=gateway.heap,
-        connections={u.name: Connections(Flusher(), u.url) for u in config.upstreams})
+        upstream.connections = Connections(Flusher(), upstream.url)  # named, never started
+    policy = InferAdmissionPolicy(edge=gateway.edge, heap=gateway.heap,
+                                  max_request_fields=config.limits.max_request_fields)
     call, end = head(), CallEnd(OK, None, 1, 1)
     per_call = []
     for _ in range(rounds):

@@ -83,6 +83,18 @@ def recording_tracing() -> tuple[Any, Any]:
     return Tracing(provider), exporter
 
 
+def make_edge(config: Any, plane: Any) -> Any:
+    """The real edge over `plane`, for unit tests of the planes (whose engines are fakes):
+    the config's upstreams are marked live by hand and never connected."""
+    from qosgate.edge import Edge
+    from qosgate.upstream import UpstreamPool
+
+    pool = UpstreamPool(config.upstreams, routing=lambda model: config.model_policy(model).routing)
+    for upstream in pool.upstreams:
+        upstream.live = True
+    return Edge(config=config, plane=plane, upstreams=pool)
+
+
 def make_dataplane(
     config: Any, clock: Any, *, usage: Any = None, wall: float = 1_767_229_200.0, tracing: Any = None
 ) -> Any:

@@ -1,12 +1,14 @@
 """Wiring: one place where config becomes a running gateway.
 
-`Gateway` builds the domain (tenants, admission, scheduler) and the edge from a
-GatewayConfig, and owns their lifecycle. The edge is the HTTP/2 relay on `listen` (TLS
-terminated there): it serves KServe ModelInfer and ModelStreamInfer itself, under the
-gateway's policy, over persistent connections to each Triton, and hands every other call
-to an in-process grpcio server (the rest of KServe, qosgate.v1, gRPC health reflecting
-upstream liveness, server reflection) on a private unix socket. Prometheus metrics and the
-OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs it in front of a
+`Gateway` builds the domain (tenants, admission, scheduler), the one edge every API's
+calls go through (`edge`) and the front ends from a GatewayConfig, and owns their
+lifecycle. The gRPC front end is the HTTP/2 relay on `listen` (TLS terminated there): it
+serves the data path itself (KServe ModelInfer as frames, ModelStreamInfer and the other
+KServe RPCs and qosgate.v1's Generation and Embedding message by message), over the
+upstream pool's persistent connections to each Triton, the one transport to Triton; it
+hands what is not on the data path (qosgate.v1's Admin and Batch services, gRPC health
+reflecting upstream liveness, server reflection) to an in-process grpcio server on a
+private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs it in front of a
 local tritonserver and stops both.
 """
 
@@ -39,12 +41,15 @@ from qosgate.dataplane.embedding import EmbeddingPlane
 from qosgate.dataplane.generation import GenerationPlane
 from qosgate.dataplane.plane import DataPlane
 from qosgate.dataplane.tracing import Tracing
+from qosgate.edge import Edge
 from qosgate.jobs.callbacks import HttpCallbackSender
 from qosgate.jobs.item_executor import PlaneItemExecutor
-from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.postgres_store import PostgresJobStore
+from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
+from qosgate.kserve.names import INFER, STREAM_INFER, path
+from qosgate.kserve.names import SERVICE as KSERVE_SERVICE
 from qosgate.launcher import LOCAL_MODELS, LocalTriton, TritonPorts
 from qosgate.memory import HeapTrimmer
 from qosgate.metrics import GatewayMetrics
@@ -55,24 +60,23 @@ from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
 from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
-from qosgate.upstream.connections import ConnectionPool
 from qosgate.relay.infer_policy import InferAdmissionPolicy
+from qosgate.relay.kserve_rpcs import PREFIX as KSERVE_PREFIX
+from qosgate.relay.kserve_rpcs import KServeRpcs
 from qosgate.relay.server import Relay
 from qosgate.relay.stream_infer import StreamInferHandler
+from qosgate.relay.v1 import EMBEDDING as V1_EMBEDDING
+from qosgate.relay.v1 import GENERATION as V1_GENERATION
+from qosgate.relay.v1 import V1Calls
 from qosgate.scheduler import Scheduler
 from qosgate.scheduler.cluster import ClusterExchange
 from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
-from qosgate.services.edge import Edge, servicer_methods
-from qosgate.services.embedding import EmbeddingServicer
-from qosgate.services.generation import GenerationServicer
-from qosgate.services.kserve import KServeService
+from qosgate.services.handlers import Handlers, servicer_methods
+from qosgate.tls import HTTP1_ALPN, server_context
 from qosgate.upstream import UpstreamPool
-from qosgate.upstream.engine import PoolEngineInfer, PoolEngineStreams
+from qosgate.upstream.engine import Engine
 from qosgate.upstream.engine_load import EngineLoadReader
-from qosgate.upstream.pool import FRAGMENT_ALLOWANCE_BYTES
-from qosgate.kserve.names import SERVICE as KSERVE_SERVICE
-from qosgate.tls import HTTP1_ALPN, client_context, server_context
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
 
@@ -82,10 +86,10 @@ log = logging.getLogger(__name__)
 
 def _server_options(limits: ResourceLimits) -> tuple[tuple[str, int], ...]:
     # gRPC refuses a message over max_receive RESOURCE_EXHAUSTED from its length prefix,
-    # before buffering it. Responses may carry the caller's id appended (KServe streams).
+    # before buffering it.
     return (
         ("grpc.max_receive_message_length", limits.max_request_bytes),
-        ("grpc.max_send_message_length", limits.max_response_bytes + FRAGMENT_ALLOWANCE_BYTES),
+        ("grpc.max_send_message_length", limits.max_response_bytes),
         ("grpc.so_reuseport", 0),
     )
 
@@ -123,8 +127,6 @@ class Gateway:
         self.pool = UpstreamPool(
             config.upstreams,
             check_interval_s=health_check_interval_s,
-            max_request_bytes=config.limits.max_request_bytes,
-            max_response_bytes=config.limits.max_response_bytes,
             routing=lambda model: config.model_policy(model).routing,
             metrics=self.metrics,
         )
@@ -175,8 +177,11 @@ class Gateway:
             tracing=self.tracing,
             clock=self.clock,
         )
-        self.generation = GenerationPlane(config=config, plane=self.dataplane, engine=PoolEngineStreams(self.pool))
-        self.embedding = EmbeddingPlane(config=config, plane=self.dataplane, engine=PoolEngineInfer(self.pool))
+        # The one edge every API's calls go through (identify, class, deadline, admit, route).
+        self.edge = Edge(config=config, plane=self.dataplane, upstreams=self.pool)
+        self.engine = Engine(self.pool, max_response_bytes=config.limits.max_response_bytes)
+        self.generation = GenerationPlane(config=config, edge=self.edge, engine=self.engine, clock=self.clock)
+        self.embedding = EmbeddingPlane(config=config, edge=self.edge, engine=self.engine, clock=self.clock)
         self.jobs = self._job_store(config, self.state_dir)
         self.batch_runner = JobRunner(
             self.jobs,
@@ -185,6 +190,7 @@ class Gateway:
             wall_time=time.time,
             callbacks=HttpCallbackSender(),
             klass=config.batch_class(),
+            completion_window_s=config.batch.completion_window_hours * 3600,
             lease_renew_interval_s=config.job_store.lease_s / 3,
             max_in_flight=config.batch.max_in_flight,
             retry=RetryPolicy(
@@ -242,28 +248,25 @@ class Gateway:
         """Bind `config.listen` (port 0 picks a free one: see `.port`) and start serving."""
         await self.jobs.open()
         await self.openai_files.open()
-        kserve = KServeService(directory=self.directory, pool=self.pool)
         server = grpc.aio.server(options=_server_options(self.config.limits))
-        # Every RPC, ours and KServe's, is served through the edge: identify, parse, answer.
-        rpc_edge = Edge(self.directory, self.metrics)
+        # What is not on the data path: identified by the same edge, parsed, answered.
+        handlers = Handlers(self.edge)
         services = {
-            _service(generation_pb2, "GenerationService"): GenerationServicer(self.generation),
             _service(admin_pb2, "AdminService"): AdminServicer(self.directory, self.usage),
-            _service(embedding_pb2, "EmbeddingService"): EmbeddingServicer(self.embedding),
             _service(batch_pb2, "BatchService"): BatchService(
                 directory=self.directory, store=self.jobs, runner=self.batch_runner, config=self.config.batch
             ),
         }
         server.add_generic_rpc_handlers(
-            (
-                rpc_edge.handler(KSERVE_SERVICE, kserve.methods()),
-                *(rpc_edge.handler(d.full_name, servicer_methods(d, s)) for d, s in services.items()),
-            )
+            tuple(handlers.handler(d.full_name, servicer_methods(d, s)) for d, s in services.items())
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # Reflection lists every service the listener serves, the relay's included.
         reflection.enable_server_reflection(
             (
                 KSERVE_SERVICE,
+                _service(generation_pb2, "GenerationService").full_name,
+                _service(embedding_pb2, "EmbeddingService").full_name,
                 *(d.full_name for d in services),
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
@@ -285,8 +288,10 @@ class Gateway:
 
         self.pool.on_health_change(self._publish_health)
         await self._publish_health(False)
-        tritons = await self._open_relay()
-        await self.pool.start(tritons)
+        relay = self._open_relay()
+        # The upstreams' connections write through the relay's flusher: a call's bytes to
+        # Triton and to its caller leave in the same pass of the event loop.
+        await self.pool.start(relay.flusher)
         self._engine_load.start()
         if self._cluster is not None:
             self._cluster.start()
@@ -299,7 +304,7 @@ class Gateway:
         if self.config.openai.enabled:
             self.openai = OpenAIServer(
                 config=self.config.openai,
-                directory=self.directory,
+                edge=self.edge,
                 generation=self.generation,
                 embedding=self.embedding,
                 pool=self.pool,
@@ -316,7 +321,7 @@ class Gateway:
             await self.openai.start()
         await server.start()
         self._server = server
-        self.port = await self._serve_relay(tritons, grpcio_address)
+        self.port = await self._serve_relay(relay, grpcio_address)
         # Batch items re-queued after a restart start as soon as the gateway serves.
         self._batch_task = asyncio.get_running_loop().create_task(self.batch_runner.run(), name="batch runner")
         log.info(
@@ -332,59 +337,38 @@ class Gateway:
             log.warning("the per-call modules run interpreted (about a quarter more CPU per call): "
                         "`make native` compiles them")
 
-    async def _open_relay(self) -> dict[str, ConnectionPool]:
-        """The relay, and its connections to each Triton (by upstream name), open: the
-        health checks go over them before the relay serves."""
+    def _open_relay(self) -> Relay:
+        """The relay, not listening yet: the upstream pool's connections write through
+        its flusher, and the health checks go over them before the relay serves."""
         limits = self.config.limits
         tls = self.config.tls
-        relay = self._relay = Relay(
+        self._relay = Relay(
             max_message_size=limits.max_request_bytes,
             max_concurrent_streams=_CALLS_PER_CONNECTION,
             max_connection_pending=limits.connection_pending_bytes,
             tls=server_context(tls) if tls is not None else None,
         )
-        tritons = {
-            u.name: relay.upstream(u.url, tls=client_context(u.tls) if u.tls is not None else None)
-            for u in self.config.upstreams
-        }
-        for pool in tritons.values():
-            await pool.start()
-        return tritons
+        return self._relay
 
-    async def _serve_relay(self, tritons: dict[str, ConnectionPool], grpcio_address: str) -> int:
+    async def _serve_relay(self, relay: Relay, grpcio_address: str) -> int:
         """The relay on `listen`: ModelInfer relayed to the Tritons under the gateway's
-        policy, ModelStreamInfer served message by message, every other call to the grpcio
-        server; returns the listening port."""
-        relay = self._relay
-        assert relay is not None
+        policy, ModelStreamInfer, the other KServe RPCs and qosgate.v1's data calls served
+        message by message, every other call to the grpcio server; returns the port."""
         limits = self.config.limits
         grpcio = relay.upstream(grpcio_address, connections=1)
         await grpcio.start()
-        policy = InferAdmissionPolicy(
-            config=self.config,
-            plane=self.dataplane,
-            pool=self.pool,
-            connections=tritons,
-            heap=self.heap,
-        )
-        # The policy names each call's upstream; the route's own pool is not used.
-        relay.route(
-            f"/{KSERVE_SERVICE}/ModelInfer".encode(),
-            next(iter(tritons.values())),
-            policy,
-            max_response_size=limits.max_response_bytes,
-        )
+        edge = self.edge
+        policy = InferAdmissionPolicy(edge=edge, heap=self.heap, max_request_fields=limits.max_request_fields)
+        # The policy names each call's upstream (its route): the route has no pool of its own.
+        relay.route(path(INFER), None, policy, max_response_size=limits.max_response_bytes)
+        relay.serve(path(STREAM_INFER), StreamInferHandler(edge=edge, streams=self.streams, limits=limits, heap=self.heap))
         relay.serve(
-            f"/{KSERVE_SERVICE}/ModelStreamInfer".encode(),
-            StreamInferHandler(
-                config=self.config,
-                plane=self.dataplane,
-                pool=self.pool,
-                connections=tritons,
-                streams=self.streams,
-                heap=self.heap,
-            ),
+            KSERVE_PREFIX,
+            KServeRpcs(edge=edge, engine=self.engine, directory=self.directory, max_request_fields=limits.max_request_fields),
         )
+        v1 = V1Calls(edge=edge, generation=self.generation, embedding=self.embedding)
+        relay.serve(V1_GENERATION, v1)
+        relay.serve(V1_EMBEDDING, v1)
         relay.route(b"/", grpcio)
         host, _, port = self.config.listen.rpartition(":")
         return await relay.listen(host.strip("[]"), int(port))

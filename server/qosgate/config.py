@@ -475,6 +475,10 @@ class BatchConfig(_Frozen):
     callback_allowlist: list[str] = Field(default_factory=list)
     """URL prefixes completion callbacks may use (scheme, host:port and path prefix must
     match); empty: callbacks are refused."""
+    completion_window_hours: float = Field(default=24.0, gt=0)
+    """How long a job's items may take from the job's creation: each item's call has what
+    is left of it as its deadline, and an item not done when it passes fails
+    DEADLINE_EXCEEDED for good (OpenAI batches promise `24h`)."""
 
 
 class JobStoreConfig(_Frozen):
@@ -598,6 +602,9 @@ class OpenAIConfig(_Frozen):
     """Largest batch input file accepted by `POST /v1/files`."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     """Largest JSON body of the other endpoints."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of a request that gives none (a `timeout` or `x-stainless-timeout` header,
+    in seconds, sets its own): a request still queued or running when it passes ends 504."""
 
 
 class TracingConfig(_Frozen):

@@ -33,8 +33,10 @@ MODULES = (
     "auth.py",
     "clock.py",
     "eager.py",
+    "edge.py",
     "memory.py",
     "metrics.py",
+    "dataplane/call.py",
     "dataplane/plane.py",
     "dataplane/tracing.py",
     "error_table.py",
@@ -60,6 +62,8 @@ MODULES = (
     "transport/peer.py",
     "transport/status.py",
     "upstream/connections.py",
+    "upstream/pool.py",
+    "upstream/routing.py",
 )
 GROUP = "qosgate._native"
 # The SHA-256 of each module's source as compiled, written by scripts/build_native.py.

@@ -1,6 +1,7 @@
 """TLS at the gateway's edges: the listeners' contexts (the relay terminates TLS for gRPC,
-aiohttp for the OpenAI API, with the same certificate and client CA), the upstreams' (grpcio channels for health and the qosgate.v1 planes, the relay's HTTP/2
-connections for KServe), and the caller's verified client certificate.
+aiohttp for the OpenAI API, with the same certificate and client CA), the upstreams' (the
+HTTP/2 connections every call to Triton takes), and the caller's verified client
+certificate.
 
 The config has already checked that every file exists and parses (config.py); here the
 files are read when a listener or connection is made. Key bytes go only to the TLS
@@ -9,8 +10,8 @@ library, never to a log or an error message.
 The relay owns the listener and hands the calls it does not relay itself to the
 in-process grpcio server over a private unix socket. That server never sees the TLS
 handshake, so the relay passes the verified certificate on in two headers it sets after
-removing any a caller sent (`certificate_headers`); the grpcio edge reads them back
-(`certificate_from_metadata`). Only the relay can reach that socket.
+removing any a caller sent (`certificate_headers`); the grpcio server's handlers read
+them back (`certificate_from_metadata`). Only the relay can reach that socket.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import hashlib
 import ssl
 from collections.abc import Iterable, Sequence
 
-import grpc
 
 from qosgate.auth import ClientCertificate
 from qosgate.config import ListenerTlsConfig, UpstreamTlsConfig
@@ -33,11 +33,6 @@ _CERT_SHA256_KEY, _CERT_SAN_KEY = _CERT_SHA256.decode(), _CERT_SAN.decode()
 _ALPN = ["h2"]
 # The OpenAI API's listener speaks HTTP/1.1 (aiohttp).
 HTTP1_ALPN = ("http/1.1",)
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def server_context(config: ListenerTlsConfig, alpn: Sequence[str] = _ALPN) -> ssl.SSLContext:
@@ -64,15 +59,6 @@ def client_context(config: UpstreamTlsConfig) -> ssl.SSLContext:
     return context
 
 
-def channel_credentials(config: UpstreamTlsConfig) -> grpc.ChannelCredentials:
-    """TLS to a Triton for grpcio channels: the same trust and certificate as `client_context`."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(config.ca) if config.ca is not None else None,
-        private_key=_read(config.key) if config.key is not None else None,
-        certificate_chain=_read(config.cert) if config.cert is not None else None,
-    )
-
-
 def peer_certificate(ssl_object: ssl.SSLObject | None) -> ClientCertificate | None:
     """The certificate the caller presented in the handshake (verified against
     `tls.client_ca` before the connection was accepted), or None without one."""
@@ -88,7 +74,7 @@ def peer_certificate(ssl_object: ssl.SSLObject | None) -> ClientCertificate | No
 
 
 def certificate_headers(certificate: ClientCertificate) -> list[tuple[bytes, bytes]]:
-    """`certificate` as the headers the grpcio edge reads back."""
+    """`certificate` as the headers the grpcio server's handlers read back."""
     return [
         (_CERT_SHA256, certificate.sha256.encode()),
         *((_CERT_SAN, san.encode("utf-8", "replace")) for san in certificate.sans),

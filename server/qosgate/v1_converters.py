@@ -31,7 +31,8 @@ _FINISH = {
 def to_call(
     request: generation_pb2.GenerateRequest | generation_pb2.GenerateStreamRequest, *, stream: bool
 ) -> GenerationCall:
-    """The domain call of a GenerateRequest or GenerateStreamRequest."""
+    """The domain request of a GenerateRequest or GenerateStreamRequest (its class goes
+    on the call's description: the front end decodes it)."""
     sampling = request.sampling
     messages = None
     if request.WhichOneof("input") == "chat":
@@ -46,7 +47,6 @@ def to_call(
         top_k=sampling.top_k if sampling.HasField("top_k") else None,
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop),
-        priority_class=request.priority_class or None,
         stream=stream,
     )
 

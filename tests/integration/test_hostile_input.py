@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 from tritonclient.grpc import service_pb2
 
@@ -194,24 +195,30 @@ def test_invalid_request_in_a_stream_is_answered_in_it_and_the_stream_goes_on(
 def test_error_messages_quoting_huge_values_stay_small(
     channel: grpc.Channel, tracebacks: list[logging.LogRecord]
 ) -> None:
-    # globex may not use this model: the refusal quotes the name, which must not make the
-    # status trailer too big for the client (it would then see INTERNAL or a reset).
+    # A model name far longer than any model's: refused by the gateway, never sent to
+    # Triton (which would quote it back in a status header too long for any client, and
+    # for the gateway's own connection to it), whatever models the tenant may use; the
+    # refusal's own message stays small.
     request = identity_request()
     request.model_name = "m" * 200_000
     call = channel.unary_unary(KSERVE + "ModelInfer", request_serializer=service_pb2.ModelInferRequest.SerializeToString)
-    with pytest.raises(grpc.RpcError) as caught:
-        call(request, metadata=bearer(GLOBEX_KEY), timeout=10)
-    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert len(caught.value.details()) <= 1024
+    for key in (GLOBEX_KEY, ACME_KEY):
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request, metadata=bearer(key), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(caught.value.details()) <= 1024
+    assert code_of(call, identity_request(), metadata=bearer(ACME_KEY)) == grpc.StatusCode.OK
 
 
-def test_tritons_error_quoting_a_huge_value_is_passed_on_cut_short(
-    channel: grpc.Channel, tracebacks: list[logging.LogRecord]
+@pytest.mark.parametrize("length", [10_000, 70_000])
+def test_a_huge_value_triton_would_quote_is_cut_short_or_refused(
+    channel: grpc.Channel, tracebacks: list[logging.LogRecord], length: int
 ) -> None:
     require_model("identity")
-    # Triton quotes the version in its message: 70 KB of trailer, which gRPC refuses to
-    # read by default (RESOURCE_EXHAUSTED, straight at Triton too).
-    request = service_pb2.ModelStatisticsRequest(name="identity", version="9" * 70_000)
+    # Triton quotes the version in its message: 10 KB reach it and come back cut short
+    # (a gRPC client refuses response metadata over 8 KiB); 70 KB would come back in a
+    # header longer than HTTP/2 can carry, so the gateway refuses them itself.
+    request = service_pb2.ModelStatisticsRequest(name="identity", version="9" * length)
     call = channel.unary_unary(
         KSERVE + "ModelStatistics", request_serializer=service_pb2.ModelStatisticsRequest.SerializeToString
     )
@@ -219,6 +226,9 @@ def test_tritons_error_quoting_a_huge_value_is_passed_on_cut_short(
         call(request, metadata=bearer(ACME_KEY), timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(caught.value.details()) <= 1024
+    # The gateway's connections to Triton are whole: the next call is served.
+    live = channel.unary_unary(KSERVE + "ServerLive", request_serializer=service_pb2.ServerLiveRequest.SerializeToString)
+    assert code_of(live, service_pb2.ServerLiveRequest(), metadata=bearer(ACME_KEY)) == grpc.StatusCode.OK
 
 
 AMBIGUOUS = [
@@ -322,3 +332,42 @@ def test_header_values_are_read_trimmed(channel: grpc.Channel, tracebacks: list[
     # globex may not use critical: its padded class is read, and refused as itself.
     refused = [("authorization", f"Bearer {GLOBEX_KEY}"), ("x-priority", " critical")]
     assert code_of(infer, identity_request(), metadata=refused) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def _count(gateway: GatewayThread, name: str, **labels: str) -> float:
+    return gateway.gateway.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize(
+    ("rpc", "call"),
+    [
+        ("ModelInfer", lambda channel, md: channel.unary_unary(KSERVE + "ModelInfer")(b"", metadata=md, timeout=10)),
+        (
+            "ModelStreamInfer",
+            lambda channel, md: list(channel.stream_stream(KSERVE + "ModelStreamInfer")(iter([b""]), metadata=md, timeout=10)),
+        ),
+        ("ServerLive", lambda channel, md: channel.unary_unary(KSERVE + "ServerLive")(b"", metadata=md, timeout=10)),
+        (
+            "GenerateStream",
+            lambda channel, md: list(channel.unary_stream("/qosgate.v1.GenerationService/GenerateStream")(b"", metadata=md, timeout=10)),
+        ),
+        ("Embed", lambda channel, md: channel.unary_unary("/qosgate.v1.EmbeddingService/Embed")(b"", metadata=md, timeout=10)),
+        ("GetUsage", lambda channel, md: channel.unary_unary("/qosgate.v1.AdminService/GetUsage")(b"", metadata=md, timeout=10)),
+        ("openai.ChatCompletions", None),
+    ],
+)
+def test_a_refused_caller_is_counted_the_same_way_from_every_front_end(
+    gateway: GatewayThread, channel: grpc.Channel, rpc: str, call
+) -> None:
+    rejected = {"reason": "unauthenticated", "tenant": "", "class": ""}
+    done = {"rpc": rpc, "model": "", "tenant": "", "class": "", "code": "UNAUTHENTICATED"}
+    before = _count(gateway, "qosgate_rejections_total", **rejected), _count(gateway, "qosgate_requests_total", **done)
+    if call is None:  # the OpenAI API
+        response = httpx.post(f"{gateway.openai_url}/chat/completions", content=b"{}", headers={"authorization": "Bearer nope"})
+        assert response.status_code == 401
+    else:
+        with pytest.raises(grpc.RpcError) as caught:
+            call(channel, [("authorization", "Bearer nope")])
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    after = _count(gateway, "qosgate_rejections_total", **rejected), _count(gateway, "qosgate_requests_total", **done)
+    assert after == (before[0] + 1, before[1] + 1)

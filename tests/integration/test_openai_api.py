@@ -175,6 +175,17 @@ def test_errors_map_to_openai_statuses(gateway: GatewayThread) -> None:
     assert httpx.get(f"{gateway.openai_url}/nothing-here", headers={"authorization": f"Bearer {USER_KEY}"}).status_code == 404
 
 
+def test_a_request_has_the_time_its_timeout_header_gives_it(gateway: GatewayThread) -> None:
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError, match="timeout"):
+        client(gateway).chat.completions.create(**chat, extra_headers={"timeout": "soon"})  # type: ignore[call-overload]
+    # A microsecond passes before the request can be dispatched: 504, as a gRPC deadline.
+    with pytest.raises(openai.InternalServerError) as passed:
+        client(gateway, max_retries=0).chat.completions.create(**chat, extra_headers={"timeout": "0.000001"})  # type: ignore[call-overload]
+    assert passed.value.status_code == 504
+    assert client(gateway).chat.completions.create(**chat, extra_headers={"x-stainless-timeout": "60"}).choices  # type: ignore[call-overload]
+
+
 def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out(gateway: GatewayThread) -> None:
     sdk = client(gateway, METERED_KEY)
     # A long generation holds its reservation (prompt + 400 of the 600 tokens a minute)

@@ -68,7 +68,7 @@ class KeyedPolicy:
             return Refuse(RESOURCE_EXHAUSTED, "over quota", details=_quota_details())
         if key == b"tagged":
             return Forward(
-                append=wire.priority_fragment(1) + wire.id_fragment("tagged-by-relay"),
+                append=wire.priority_fragment(1) + wire.len_field(3, b"tagged-by-relay"),  # the id (field 3)
                 set_headers=((b"x-relay", b"1"),),
                 on_finish=self.ends.append,
             )

@@ -2,12 +2,14 @@
 
 Which replica served what is read from each Triton's own statistics (ModelStatistics
 success counts), not from the gateway, so the test checks where requests really ran.
-The kill -9 test comes last: it takes one replica down for the rest of the module.
+The kill -9 test comes last: it takes one replica down for the rest of the module (the
+stream failover test before it starts its victim again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import signal
@@ -31,6 +33,7 @@ LLM = "smollm2"
 ACME = tuple(bearer(ACME_KEY).items())
 LOAD_FACTOR = 1.25
 PREFIX_BYTES = 256
+SESSION_HEADER = "x-session-id"
 # Long enough that the rendered system prompt outlasts PREFIX_BYTES.
 SYSTEM = (
     "You are the support assistant of {tenant}. Answer in plain words, keep to the facts of "
@@ -65,7 +68,13 @@ def gateway(replicas: list[LocalTriton]) -> Iterator[GatewayThread]:
     llm_policy = {
         "dispatch_window": 16,
         "default_temperature": 0.0,
-        "routing": {"policy": "prefix_affinity", "prefix_bytes": PREFIX_BYTES, "load_factor": LOAD_FACTOR},
+        "routing": {
+            "policy": "prefix_affinity",
+            "prefix_bytes": PREFIX_BYTES,
+            "load_factor": LOAD_FACTOR,
+            # KServe requests are keyed by their session header: the gateway reads no tensors.
+            "session_header": SESSION_HEADER,
+        },
     }
     config = gateway_config(replicas[0].ports.grpc_url, upstreams=upstreams, models={LLM: llm_policy})
     with GatewayThread(config) as running:
@@ -142,9 +151,149 @@ def identity_request() -> bytes:
     return request.SerializeToString()
 
 
+def llm_request(request_id: str, max_tokens: int) -> service_pb2.ModelInferRequest:
+    """A KServe request of smollm2 (the vLLM backend's tensors), streamed and greedy."""
+    request = service_pb2.ModelInferRequest(model_name=LLM, id=request_id)
+    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}).encode()
+    for name, datatype, raw in (
+        ("text_input", "BYTES", struct.pack("<I", 12) + b"Hello there!"),
+        ("stream", "BOOL", b"\x01"),
+        ("sampling_parameters", "BYTES", struct.pack("<I", len(sampling)) + sampling),
+    ):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def sessions_owned(gateway: GatewayThread) -> dict[str, str]:
+    """A session id whose affinity owner is each replica, by the gateway's own ring."""
+    pool = gateway.gateway.pool
+    owners: dict[str, str] = {}
+    for n in range(100):
+        session = f"session-{n}"
+        owners.setdefault(pool.pick(LLM, key=pool.key(LLM, session=session)).name, session)
+        if len(owners) == 2:
+            return owners
+    raise AssertionError("no session maps to each replica")
+
+
+async def idle(gateway: GatewayThread) -> None:
+    """Until no call is in flight at any upstream."""
+    deadline = time.monotonic() + 30
+    while any(u.in_flight for u in gateway.gateway.pool.upstreams):
+        assert time.monotonic() < deadline, [u.in_flight for u in gateway.gateway.pool.upstreams]
+        await asyncio.sleep(0.01)
+
+
+class StreamCall:
+    """One ModelStreamInfer call whose responses are gathered per request id; `finished`
+    holds each request's end: "OK" once its final response came, else its in-band error."""
+
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.call = stub.ModelStreamInfer(metadata=metadata, timeout=120)
+        self.finished: dict[str, str] = {}
+        self.responses: dict[str, int] = {}
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for reply in self.call:
+            rid = reply.infer_response.id
+            if reply.error_message:
+                self.finished[rid] = reply.error_message
+            else:
+                self.responses[rid] = self.responses.get(rid, 0) + 1
+                if reply.infer_response.parameters["triton_final_response"].bool_param:
+                    self.finished[rid] = "OK"
+
+    async def send(self, request: service_pb2.ModelInferRequest) -> None:
+        await self.call.write(request)
+
+    async def until_finished(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.finished) < count:
+            assert time.monotonic() < deadline, f"finished {self.finished} of {count}"
+            assert not self._reader.done() or self._reader.exception() is None, self._reader.exception()
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await asyncio.wait_for(self._reader, 60)
+
+
+async def test_a_stream_routes_each_request_by_its_model_and_fails_over_before_the_first_response(
+    replicas: list[LocalTriton], gateway: GatewayThread
+) -> None:
+    names = {name: replica for name, replica in zip("ab", replicas, strict=True)}
+    owners = sessions_owned(gateway)
+    identity = service_pb2.ModelInferRequest.FromString(identity_request())
+    async with grpc.aio.insecure_channel(gateway.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        # One stream per session, its LLM requests one at a time (so no load bound is
+        # near), each followed by two identity requests at once: each LLM request goes to
+        # its session's replica, each identity request to the least loaded replica (the
+        # second of a pair to the one the first is not at).
+        llm_before, identity_before = served(replicas, LLM), served(replicas, "identity")
+        for owner, session in sorted(owners.items()):
+            stream = StreamCall(stub, ACME + ((SESSION_HEADER, session),))
+            for n in range(3):
+                await stream.send(llm_request(f"{owner}-llm-{n}", 2))
+                await stream.until_finished(3 * n + 1)
+                await idle(gateway)  # its upstream stream ended too: nothing loads a replica
+                for pair in range(2):
+                    identity.id = f"{owner}-identity-{n}-{pair}"
+                    await stream.send(identity)
+                await stream.until_finished(3 * n + 3)
+            await stream.close()
+            assert set(stream.finished.values()) == {"OK"}, stream.finished
+        llm = [b - a for a, b in zip(llm_before, served(replicas, LLM), strict=True)]
+        identities = [b - a for a, b in zip(identity_before, served(replicas, "identity"), strict=True)]
+        assert llm == [3, 3], llm  # each session's three on its own replica
+        assert identities == [6, 6], identities
+
+        # The victim frozen, then killed, with requests of a stream at it that have had
+        # no response: each goes once more, to the survivor, and is served.
+        victim_name = "b"
+        victim, survivor = names[victim_name], names["a"]
+        at_victim = next(u for u in gateway.gateway.pool.upstreams if u.name == victim_name)
+        survived_before = served([survivor], LLM)[0]
+        os.killpg(victim.pid, signal.SIGSTOP)
+        try:
+            # Two: a third would be over the load bound, and spill to the survivor.
+            stream = StreamCall(stub, ACME + ((SESSION_HEADER, owners[victim_name]),))
+            for n in range(2):
+                await stream.send(llm_request(f"failover-{n}", 4))
+            deadline = time.monotonic() + 30
+            while at_victim.in_flight < 2:  # written to the victim's connection
+                assert time.monotonic() < deadline, at_victim.in_flight
+                await asyncio.sleep(0.01)
+            assert stream.responses == {}
+        finally:
+            os.killpg(victim.pid, signal.SIGKILL)
+        await stream.until_finished(2)
+        await stream.close()
+        assert stream.finished == {f"failover-{n}": "OK" for n in range(2)}
+        assert served([survivor], LLM)[0] - survived_before == 2
+        assert metric(gateway, "qosgate_failovers_total", model=LLM, upstream=victim_name, result="retried") >= 2
+
+    # The victim back, for the rest of the module.
+    victim.stop()
+    victim.start()
+    victim.wait_ready()
+    deadline = time.monotonic() + 30
+    while not (at_victim.live and at_victim.ready_models and LLM in at_victim.ready_models):
+        assert time.monotonic() < deadline, "the gateway never saw the restarted replica ready"
+        await asyncio.sleep(0.1)
+
+
 async def test_a_replica_killed_under_load_loses_no_call_that_had_not_started(replicas, gateway) -> None:
     metadata = tuple(bearer(ACME_KEY).items())
     victim = replicas[1]
+    llm_failovers = {
+        (upstream, result): metric(gateway, "qosgate_failovers_total", model=LLM, upstream=upstream, result=result)
+        for upstream in ("a", "b")
+        for result in ("retried", "no_other_upstream")
+    }
     async with grpc.aio.insecure_channel(gateway.url) as channel:
         generation = generation_pb2_grpc.GenerationServiceStub(channel)
         kserve = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -239,6 +388,5 @@ async def test_a_replica_killed_under_load_loses_no_call_that_had_not_started(re
     # Streams past their first token are never retried: those on the victim end UNAVAILABLE.
     assert set(ends) <= {"OK", "UNAVAILABLE"}, ends
     assert ends.count("UNAVAILABLE") >= 2, ends
-    for upstream in ("a", "b"):
-        for result in ("retried", "no_other_upstream"):
-            assert metric(gateway, "qosgate_failovers_total", model=LLM, upstream=upstream, result=result) == 0
+    for (upstream, result), before in llm_failovers.items():
+        assert metric(gateway, "qosgate_failovers_total", model=LLM, upstream=upstream, result=result) == before

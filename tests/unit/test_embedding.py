@@ -4,16 +4,18 @@ dispatch's priority, rows come back one per text, refusals happen before dispatc
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import pytest
 from qosgate.auth import TenantDirectory
 from qosgate.config import parse_config
 from qosgate.dataplane.embedding import EmbeddingPlane
 from qosgate.errors import InvalidArgument, PermissionDenied
-from qosgate.upstream.engine import UpstreamObserver
+from qosgate.dataplane.call import Call, Header
+from qosgate.upstream.pool import Route
 from tritonclient.grpc import service_pb2
 
-from tests.fakes import FakeClock, make_dataplane
+from tests.fakes import FakeClock, make_dataplane, make_edge
 
 CONFIG = parse_config(
     {
@@ -32,10 +34,12 @@ class FakeTriton:
         self.requests: list[service_pb2.ModelInferRequest] = []
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, observer: UpstreamObserver
+        self, route: Route, raw_request: bytes, *, headers: Sequence[Header] = (), timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
+        request = service_pb2.ModelInferRequest.FromString(raw_request)
         self.requests.append(request)
-        observer.responded()
+        route.responded()
+        route.done()
         raw, texts, offset = request.raw_input_contents[0], [], 0
         while offset < len(raw):
             (size,) = struct.unpack_from("<I", raw, offset)
@@ -53,14 +57,17 @@ class FakeTriton:
 def plane_and_triton() -> tuple[EmbeddingPlane, FakeTriton, TenantDirectory]:
     dataplane = make_dataplane(CONFIG, FakeClock())
     triton = FakeTriton()
-    plane = EmbeddingPlane(config=CONFIG, plane=dataplane, engine=triton)
+    plane = EmbeddingPlane(config=CONFIG, edge=make_edge(CONFIG, dataplane), engine=triton, clock=dataplane.clock)
     return plane, triton, dataplane.directory
 
 
+def _call(model: str, priority_class: str | None = None) -> Call:
+    return Call("Embed", [(b"x-api-key", b"k1")], model=model, priority_class=priority_class)
+
+
 async def test_one_row_per_text_at_the_class_priority(plane_and_triton) -> None:  # type: ignore[no-untyped-def]
-    plane, triton, directory = plane_and_triton
-    tenant = directory.identify([("x-api-key", "k1")])
-    result = await plane.embed("Embed", tenant, "minilm", ["a", "bbb"], priority_class="batch")
+    plane, triton, _ = plane_and_triton
+    result = await plane.embed(_call("minilm", "batch"), ["a", "bbb"])
     assert result.vectors == [[1.0, 0.0], [3.0, 1.0]]
     (request,) = triton.requests
     assert list(request.inputs[0].shape) == [2, 1] and request.inputs[0].datatype == "BYTES"
@@ -68,10 +75,9 @@ async def test_one_row_per_text_at_the_class_priority(plane_and_triton) -> None:
 
 
 async def test_refusals_happen_before_dispatch(plane_and_triton) -> None:  # type: ignore[no-untyped-def]
-    plane, triton, directory = plane_and_triton
-    tenant = directory.identify([("x-api-key", "k1")])
+    plane, triton, _ = plane_and_triton
     with pytest.raises(PermissionDenied):
-        await plane.embed("Embed", tenant, "smollm2", ["a"])
+        await plane.embed(_call("smollm2"), ["a"])
     with pytest.raises(InvalidArgument):
-        await plane.embed("Embed", tenant, "minilm", [])
+        await plane.embed(_call("minilm"), [])
     assert triton.requests == []

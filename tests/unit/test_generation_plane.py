@@ -7,20 +7,22 @@ import contextlib
 import json
 import sqlite3
 import struct
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import pytest
 from tritonclient.grpc import service_pb2
 
-from qosgate.generation_types import ChatMessage, FinishReason, Role
-from qosgate.auth import Tenant
 from qosgate.config import parse_config
-from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
+from qosgate.dataplane.call import Call, Header
 from qosgate.dataplane.generation import Finished, GenerationCall, GenerationPlane
+from qosgate.dataplane.plane import DataPlane
+from qosgate.errors import InvalidArgument, PermissionDenied, QuotaExceeded
+from qosgate.generation_types import ChatMessage, FinishReason, Role
 from qosgate.scheduler import Scheduler
+from qosgate.upstream.pool import Route
+from qosgate.upstream.routing import affinity_key
 from qosgate.usage import UsageLedger, UsageMeter, UsageRecord
-from qosgate.upstream.engine import UpstreamObserver
-from tests.fakes import FakeClock, make_dataplane
+from tests.fakes import FakeClock, make_dataplane, make_edge
 
 DAY0 = 1_767_225_600.0
 RPC = "Generate"
@@ -49,23 +51,16 @@ class FakeEngine:
         self.responses = responses
         self.fail_first = fail_first
         self.requests: list[service_pb2.ModelInferRequest] = []
-        self.routes: list[tuple[str, str | None]] = []  # (prompt, session) per request
+        self.keys: list[bytes | None] = []  # the route's affinity key, per request
         self.closed = 0
         self.hold = asyncio.Event()
         self.hold.set()
 
-    async def open(
-        self,
-        request: service_pb2.ModelInferRequest,
-        timeout_s: float | None,
-        observer: UpstreamObserver,
-        *,
-        prompt: str,
-        session: str | None = None,
+    async def stream(
+        self, route: Route, request: bytes, *, headers: Sequence[Header] = (), timeout_s: float | None = None
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
-        self.requests.append(request)
-        self.routes.append((prompt, session))
-        observer.upstream_started("fake")
+        self.requests.append(service_pb2.ModelInferRequest.FromString(request))
+        self.keys.append(route.key)
         try:
             if self.fail_first is not None:
                 failure, self.fail_first = self.fail_first, None
@@ -73,10 +68,10 @@ class FakeEngine:
             for i, response in enumerate(self.responses):
                 if i == len(self.responses) - 1:
                     await self.hold.wait()
-                observer.responded()
+                route.responded()
                 yield response
         finally:
-            observer.upstream_finished()
+            route.done()
             self.closed += 1
 
 
@@ -85,7 +80,7 @@ STORY = [_response("Once", 1), _response(" upon", 1), _response(" a time", 2, fi
 
 def _plane(
     engine: FakeEngine, ledger: UsageLedger | None = None, **limits: int
-) -> tuple[GenerationPlane, UsageLedger, Scheduler]:
+) -> tuple[GenerationPlane, UsageLedger, Scheduler, DataPlane]:
     config = parse_config(
         {
             "models": {
@@ -110,24 +105,24 @@ def _plane(
     ledger = ledger or UsageLedger(":memory:", wall_time=lambda: DAY0 + 3600)
     usage = UsageMeter(ledger, wall_time=lambda: DAY0 + 3600)
     dataplane = make_dataplane(config, FakeClock(), usage=usage, wall=DAY0 + 3600)
-    plane = GenerationPlane(config=config, plane=dataplane, engine=engine)
-    return plane, ledger, dataplane.scheduler
+    plane = GenerationPlane(config=config, edge=make_edge(config, dataplane), engine=engine, clock=dataplane.clock)
+    return plane, ledger, dataplane.scheduler, dataplane
 
 
-def _acme(plane: GenerationPlane) -> Tenant:
-    """The test tenant, as the edge identifies it from its key."""
-    return plane.dataplane.directory.identify([("authorization", "Bearer k-acme")])
+def _call(*headers: Header, priority_class: str | None = None) -> Call:
+    """A call of the test tenant, with its key, as a front end decodes it."""
+    return Call(RPC, [(b"authorization", b"Bearer k-acme"), *headers], priority_class=priority_class)
 
 
-async def _collect(plane: GenerationPlane, call: GenerationCall) -> list[str | Finished]:
-    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), call)) as items:
+async def _collect(plane: GenerationPlane, generation: GenerationCall, call: Call | None = None) -> list[str | Finished]:
+    async with contextlib.aclosing(plane.generate(call or _call(), generation)) as items:
         return [item async for item in items]
 
 
 async def test_stream_yields_deltas_then_usage_and_records_it() -> None:
     engine = FakeEngine(STORY)
-    plane, ledger, scheduler = _plane(engine)
-    items = await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me", priority_class="critical"))
+    plane, ledger, scheduler, _ = _plane(engine)
+    items = await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me"), _call(priority_class="critical"))
     assert items[:-1] == ["Once", " upon", " a time"]
     finished = items[-1]
     assert isinstance(finished, Finished)
@@ -148,7 +143,7 @@ async def test_stream_yields_deltas_then_usage_and_records_it() -> None:
 
 async def test_chat_is_rendered_with_the_template() -> None:
     engine = FakeEngine(STORY)
-    plane, _, _ = _plane(engine)
+    plane, _, _, _ = _plane(engine)
     await _collect(plane, GenerationCall(model="smollm2", messages=(ChatMessage(Role.USER, "Hi"),)))
     text_input = engine.requests[0].raw_input_contents[0][4:].decode()
     assert text_input == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -156,22 +151,22 @@ async def test_chat_is_rendered_with_the_template() -> None:
 
 async def test_the_route_hint_is_the_rendered_prompt_and_the_session_header() -> None:
     engine = FakeEngine(STORY)
-    plane, _, _ = _plane(engine)
+    plane, _, _, _ = _plane(engine)
     system = ChatMessage(Role.SYSTEM, "You answer for acme.")
     call = GenerationCall(model="smollm2", messages=(system, ChatMessage(Role.USER, "Hi")))
-    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), call, headers={"x-session-id": "s-7"})) as items:
-        [item async for item in items]
+    await _collect(plane, call, _call((b"x-session-id", b"s-7")))
     await _collect(plane, call)
     rendered = "<|im_start|>system\nYou answer for acme.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-    assert [session for _, session in engine.routes] == ["s-7", None]
-    assert all(prompt.startswith(rendered) for prompt, _ in engine.routes)
+    prompt = engine.requests[1].raw_input_contents[0][4:].decode()
+    assert prompt.startswith(rendered)
+    assert engine.keys == [affinity_key("", 1024, "s-7"), affinity_key(prompt, 1024)]  # prefix_bytes: its default
 
 
 async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -> None:
     engine = FakeEngine(STORY)
     engine.hold.clear()  # the engine is still generating when the caller leaves
-    plane, ledger, scheduler = _plane(engine)
-    items = plane.generate(RPC, _acme(plane), GenerationCall(model="smollm2", prompt="Tell me"))
+    plane, ledger, scheduler, _ = _plane(engine)
+    items = plane.generate(_call(), GenerationCall(model="smollm2", prompt="Tell me"))
     assert await anext(items) == "Once"
     assert await anext(items) == " upon"
     assert scheduler.snapshot().in_flight["smollm2"] == 1
@@ -186,7 +181,7 @@ async def test_a_caller_that_goes_away_frees_everything_and_pays_what_it_saw() -
 
 async def test_engine_failure_before_any_output_costs_nothing() -> None:
     engine = FakeEngine(STORY, fail_first=InvalidArgument("model 'smollm2': prompt too long"))
-    plane, ledger, _ = _plane(engine, tokens_per_minute=100)
+    plane, ledger, _, _ = _plane(engine, tokens_per_minute=100)
     with pytest.raises(InvalidArgument, match="too long"):
         await _collect(plane, GenerationCall(model="smollm2", prompt="x", max_tokens=90))
     assert ledger.day_summary("acme", "2026-01-01").requests == 0
@@ -196,7 +191,7 @@ async def test_engine_failure_before_any_output_costs_nothing() -> None:
 
 async def test_daily_budget_refuses_before_dispatch() -> None:
     engine = FakeEngine(STORY)
-    plane, _, _ = _plane(engine, daily_token_budget=20)
+    plane, _, _, _ = _plane(engine, daily_token_budget=20)
     await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me"))  # 11 tokens used
     with pytest.raises(QuotaExceeded) as refused:
         await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me", max_tokens=8))
@@ -218,7 +213,7 @@ async def test_daily_budget_refuses_before_dispatch() -> None:
 )
 async def test_bad_calls_are_refused_before_admission(call: GenerationCall, error: type[Exception], words: str) -> None:
     engine = FakeEngine(STORY)
-    plane, _, _ = _plane(engine)
+    plane, _, _, _ = _plane(engine)
     with pytest.raises(error, match=words):
         await _collect(plane, call)
     assert not engine.requests
@@ -239,7 +234,7 @@ class FailingOnceLedger(UsageLedger):
 
 async def test_a_ledger_failure_still_frees_the_slot_and_the_permit() -> None:
     engine = FakeEngine(STORY)
-    plane, ledger, scheduler = _plane(engine, FailingOnceLedger(":memory:", wall_time=lambda: DAY0))
+    plane, ledger, scheduler, _ = _plane(engine, FailingOnceLedger(":memory:", wall_time=lambda: DAY0))
     with pytest.raises(sqlite3.OperationalError):
         await _collect(plane, GenerationCall(model="smollm2", prompt="Tell me"))
     assert scheduler.snapshot().in_flight.get("smollm2", 0) == 0
@@ -249,12 +244,12 @@ async def test_a_ledger_failure_still_frees_the_slot_and_the_permit() -> None:
 
 
 async def test_a_caller_that_closes_after_the_result_was_served_not_cancelled() -> None:
-    plane, _, _ = _plane(FakeEngine(STORY))
-    async with contextlib.aclosing(plane.generate(RPC, _acme(plane), GenerationCall(model="smollm2", prompt="Hi"))) as items:
+    plane, _, _, dataplane = _plane(FakeEngine(STORY))
+    async with contextlib.aclosing(plane.generate(_call(), GenerationCall(model="smollm2", prompt="Hi"))) as items:
         async for item in items:
             if isinstance(item, Finished):
                 break  # as a unary response does: the generator is closed at its last yield
-    registry = plane.dataplane.metrics.registry
+    registry = dataplane.metrics.registry
     labels = {"rpc": RPC, "model": "smollm2", "tenant": "acme", "class": "standard"}
     assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "OK"}) == 1
     assert registry.get_sample_value("qosgate_requests_total", {**labels, "code": "CANCELLED"}) is None

@@ -38,12 +38,9 @@ def _policy() -> InferAdmissionPolicy:
     gateway = Gateway(config, serve_metrics=False)
     for upstream in gateway.pool.upstreams:
         upstream.live = True
+        upstream.connections = Connections(Flusher(), upstream.url)  # named, never started
     return InferAdmissionPolicy(
-        config=config,
-        plane=gateway.dataplane,
-        pool=gateway.pool,
-        connections={u.name: Connections(Flusher(), u.url) for u in config.upstreams},
-        heap=gateway.heap,
+        edge=gateway.edge, heap=gateway.heap, max_request_fields=config.limits.max_request_fields
     )
 
 

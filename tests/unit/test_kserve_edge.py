@@ -145,7 +145,10 @@ async def test_without_a_deadline_no_timeout_is_set() -> None:
 
 
 @pytest.mark.parametrize("caller_wants_empty_final", [False, True])
-async def test_stream_ids_restored_and_injected_empty_final_hidden(caller_wants_empty_final: bool) -> None:
+async def test_stream_requests_and_responses_pass_as_sent(caller_wants_empty_final: bool) -> None:
+    """Each request of a stream reaches Triton as the caller sent it (its id, its own
+    empty-final choice; only priority and timeout are set), and Triton's responses come
+    back as Triton wrote them."""
     fake = FakeTriton(chunks=2)
     async with gateway_before(fake) as stub:
         requests = []
@@ -155,9 +158,9 @@ async def test_stream_ids_restored_and_injected_empty_final_hidden(caller_wants_
                 request.parameters["triton_enable_empty_final_response"].bool_param = True
             requests.append(request)
         responses = [r async for r in stub.ModelStreamInfer(iter(requests), metadata=AUTH, timeout=20)]
-    # Upstream saw gateway ids, and was always asked for the empty final response.
-    assert all(r.id.startswith("qg") for r in fake.requests)
-    assert all(r.parameters["triton_enable_empty_final_response"].bool_param for r in fake.requests)
+    assert sorted(r.id for r in fake.requests) == ["x", "y"]
+    flags = {r.parameters["triton_enable_empty_final_response"].bool_param for r in fake.requests}
+    assert flags == {caller_wants_empty_final}
     per_id = {rid: [r for r in responses if r.infer_response.id == rid] for rid in ("x", "y")}
     expected = 3 if caller_wants_empty_final else 2
     assert [len(v) for v in per_id.values()] == [expected, expected]
@@ -228,19 +231,34 @@ async def test_health_watch_follows_upstream_readiness() -> None:
         watch.cancel()
 
 
-async def test_an_upstream_stream_failure_reaches_the_caller_with_its_code() -> None:
-    class FailingTriton(FakeTriton):
-        async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
-            async for request in request_iterator:
-                response = service_pb2.ModelStreamInferResponse()
-                response.infer_response.id = request.id
-                response.infer_response.outputs.add(name="text_output")
-                await context.write(response)
-                context.set_trailing_metadata((("x-triton-detail", "draining"),))
-                await context.abort(grpc.StatusCode.CANCELLED, "triton is shutting down")
+class FailingTriton(FakeTriton):
+    """Answers a request once, then ends its stream with an error status."""
 
+    async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+        async for request in request_iterator:
+            self.requests.append(request)
+            response = service_pb2.ModelStreamInferResponse()
+            response.infer_response.id = request.id
+            response.infer_response.outputs.add(name="text_output")
+            await context.write(response)
+            context.set_trailing_metadata((("x-triton-detail", "draining"),))
+            await context.abort(grpc.StatusCode.CANCELLED, "triton is shutting down")
+
+
+async def test_an_upstream_failure_of_a_request_is_answered_in_the_stream_which_goes_on() -> None:
     async with gateway_before(FailingTriton()) as stub:
-        call = stub.ModelStreamInfer(one_request_then_wait("r"), metadata=AUTH, timeout=20)
+        requests = [service_pb2.ModelInferRequest(model_name="m", id=rid) for rid in ("r", "s")]
+        responses = [r async for r in stub.ModelStreamInfer(iter(requests), metadata=AUTH, timeout=20)]
+    for rid in ("r", "s"):
+        mine = [r for r in responses if r.infer_response.id == rid]
+        assert [bool(r.error_message) for r in mine] == [False, True]
+        assert mine[1].error_message == "CANCELLED: triton is shutting down"
+
+
+async def test_with_triton_grpc_error_an_upstream_failure_ends_the_stream_with_its_status() -> None:
+    async with gateway_before(FailingTriton()) as stub:
+        metadata = AUTH + (("triton_grpc_error", "true"),)
+        call = stub.ModelStreamInfer(one_request_then_wait("r"), metadata=metadata, timeout=20)
         first = await call.read()
         assert first.infer_response.id == "r"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -276,8 +294,9 @@ async def test_stream_requests_larger_than_a_window_arrive_whole(compression: gr
     async with gateway_before(fake) as stub:
         call = stub.ModelStreamInfer(iter(requests), metadata=AUTH, timeout=30, compression=compression)
         responses = [r async for r in call]
-    assert [r.infer_response.id for r in responses] == ["big0", "big1", "big2"]
-    assert [list(r.raw_input_contents) for r in fake.requests] == [[p] for p in payloads]
+    # Each request is a call of its own: answered as it finishes, in whatever order.
+    assert sorted(r.infer_response.id for r in responses) == ["big0", "big1", "big2"]
+    assert {r.id: list(r.raw_input_contents) for r in fake.requests} == {f"big{n}": [p] for n, p in enumerate(payloads)}
 
 
 async def test_a_stream_request_over_the_size_limit_ends_the_stream_resource_exhausted() -> None:

@@ -46,7 +46,7 @@ def _request(**params: object) -> service_pb2.ModelInferRequest:
 def test_peek_reads_routing_fields_and_skips_tensors(peek) -> None:
     raw = _request(triton_enable_empty_final_response=True, other="x").SerializeToString()
     head = peek(raw)
-    assert (head.model_name, head.id, head.wants_empty_final) == ("minilm", "req-7", True)
+    assert (head.model_name, head.id) == ("minilm", "req-7")
 
 
 def test_peek_reads_the_batch_rows_of_the_first_input(peek) -> None:
@@ -94,87 +94,33 @@ def test_priority_fragment_encodes_any_level(level: int) -> None:
     assert merged.parameters["priority"].uint64_param == level
 
 
-def test_id_and_empty_final_fragments(peek) -> None:
-    raw = _request().SerializeToString() + wire.id_fragment("q1") + wire.empty_final_fragment()
-    merged = service_pb2.ModelInferRequest.FromString(raw)
-    assert merged.id == "q1"
-    assert merged.parameters["triton_enable_empty_final_response"].bool_param is True
-    assert peek(raw).id == "q1"
+def test_the_dispatch_fragment_sets_priority_and_timeout_over_the_callers(peek) -> None:
+    raw = _request(priority=9, timeout=5).SerializeToString()
+    merged = service_pb2.ModelInferRequest.FromString(raw + wire.dispatch_fragment(2, 1500))
+    assert (merged.parameters["priority"].uint64_param, merged.parameters["timeout"].int64_param) == (2, 1500)
+    untimed = service_pb2.ModelInferRequest.FromString(raw + wire.dispatch_fragment(1, None))
+    assert untimed.parameters["priority"].uint64_param == 1
+    assert untimed.parameters["timeout"].int64_param == 5  # the caller's, without a deadline of ours
+    assert peek(raw + wire.dispatch_fragment(2, 1500)).model_name == "minilm"
 
 
-# A stream response is read by the protobuf runtime up to 4 KiB and walked above: each
-# case runs both ways, the padding (an output's bytes) making the response large.
-SIZES = pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
-
-
-def _stream_response(*, final: bool, outputs: bool = True, error: str = "", pad: int = 0) -> bytes:
+def _stream_response(*, error: str = "", pad: int = 0) -> bytes:
     response = service_pb2.ModelStreamInferResponse(error_message=error)
     response.infer_response.id = "q5"
-    response.infer_response.model_name = "smollm2"
-    if outputs:
-        response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
-        response.infer_response.raw_output_contents.append(b"\x02\x00\x00\x00hi")
-    response.infer_response.parameters["triton_final_response"].bool_param = final
+    response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+    response.infer_response.raw_output_contents.append(b"\x02\x00\x00\x00hi")
     response.infer_response.parameters["padding"].string_param = "x" * pad
     return response.SerializeToString()
 
 
-@SIZES
-def test_peek_stream_response_final_flag_and_outputs(pad: int) -> None:
-    head = wire.peek_stream_response(_stream_response(final=False, pad=pad))
-    assert (head.id, head.is_final, head.has_outputs, head.is_error) == ("q5", False, True, False)
-    head = wire.peek_stream_response(_stream_response(final=True, outputs=False, pad=pad))
-    assert (head.is_final, head.has_outputs) == (True, False)
-
-
-@SIZES
-def test_an_error_response_is_final(pad: int) -> None:
-    raw = service_pb2.ModelStreamInferResponse(
-        error_message="boom", infer_response=service_pb2.ModelInferResponse(id="q9")
-    ).SerializeToString() + wire.len_field(2, wire.len_field(8, b"x" * pad))
-    head = wire.peek_stream_response(raw)
-    assert (head.id, head.is_error, head.is_final) == ("q9", True, True)
-
-
-def test_a_response_the_runtime_refuses_is_walked() -> None:
-    """An id that is not UTF-8 makes the protobuf runtime refuse the message; the walk reads it."""
-    raw = _stream_response(final=True) + wire.len_field(2, wire.len_field(3, b"q\xff"))
-    head = wire.peek_stream_response(raw)
-    assert (head.id, head.is_final) == ("q\ufffd", True)
-
-
-def test_stream_response_id_is_set_inside_the_one_infer_response() -> None:
-    original = _stream_response(final=True)
-    raw = wire.with_stream_response_id(original, "client-1")
-    parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
-    assert parsed.infer_response.id == "client-1"
-    assert parsed.infer_response.model_name == "smollm2"
-    assert parsed.infer_response.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
-    # One infer_response field: a parser that keeps the last occurrence of an embedded
-    # message (protobuf.js) sees the whole response too.
-    fields = [number for number, _type, _start, _end in wire._fields(raw)]
-    assert fields.count(2) == 1
-    expected = service_pb2.ModelStreamInferResponse.FromString(original)
-    expected.infer_response.id = "client-1"
-    assert parsed == expected
-
-
-def test_stream_response_id_after_other_fields() -> None:
-    """Not the usual layout (infer_response alone): the message is written again around it."""
-    original = service_pb2.ModelStreamInferResponse(
-        error_message="", infer_response=service_pb2.ModelInferResponse(id="q", model_name="m")
-    ).SerializeToString()
-    unknown_field = wire.varint_field(15, 7)  # a field of a newer Triton, kept as it came
-    raw = wire.with_stream_response_id(unknown_field + original, "c3")
-    parsed = service_pb2.ModelStreamInferResponse.FromString(raw)
-    assert (parsed.infer_response.id, parsed.infer_response.model_name) == ("c3", "m")
-    assert raw.startswith(unknown_field)
-
-
-def test_an_error_response_gets_its_id_too() -> None:
-    raw = service_pb2.ModelStreamInferResponse(error_message="boom").SerializeToString()
-    parsed = service_pb2.ModelStreamInferResponse.FromString(wire.with_stream_response_id(raw, "c2"))
-    assert (parsed.error_message, parsed.infer_response.id) == ("boom", "c2")
+@pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
+def test_a_stream_response_that_reports_an_error_is_told_apart(pad: int) -> None:
+    assert not wire.stream_response_failed(_stream_response(pad=pad))
+    assert wire.stream_response_failed(_stream_response(error="boom", pad=pad))
+    # Fields in another order than Triton writes them: still read.
+    raw = _stream_response(pad=pad) + service_pb2.ModelStreamInferResponse(error_message="late").SerializeToString()
+    assert wire.stream_response_failed(raw)
+    assert not wire.stream_response_failed(b"\xff\xff")  # not ours to judge: passed on as it came
 
 
 def test_truncated_bytes_are_rejected(peek) -> None:
@@ -224,7 +170,7 @@ _EDITS = st.lists(
 
 
 def test_the_rich_request_passes(peek) -> None:
-    assert peek(_VALID).wants_empty_final
+    assert peek(_VALID).model_name == "minilm"
 
 
 @settings(max_examples=500, deadline=None, database=None)
@@ -272,11 +218,11 @@ def test_field_budget_bounds_the_work_on_a_crafted_request() -> None:
 
 def test_field_budget_counts_fields_inside_parameters() -> None:
     # A parameters entry whose value holds many fields spends the same budget.
-    key = wire.EMPTY_FINAL_PARAM.encode()
+    key = b"triton_enable_empty_final_response"
     entry = b"\x0a" + bytes([len(key)]) + key + b"\x12\xca\x01" + b"\x78\x01" * 100 + b"\x08\x01"
     raw = service_pb2.ModelInferRequest(model_name="identity").SerializeToString()
     raw += b"\x22" + bytes([len(entry) & 0x7F | 0x80, len(entry) >> 7]) + entry
-    assert service_pb2.ModelInferRequest.FromString(raw).parameters[wire.EMPTY_FINAL_PARAM].bool_param
+    assert service_pb2.ModelInferRequest.FromString(raw).parameters[key.decode()].bool_param
     assert wire.peek_request(raw, 500).model_name == "identity"
     with pytest.raises(wire.TooManyFields):
         wire.peek_request(raw, 50)
@@ -288,3 +234,21 @@ def test_a_real_request_fits_the_default_budget_with_room() -> None:
         request.inputs.add(name=f"IN{i}", datatype="FP32", shape=[1])
         request.raw_input_contents.append(b"\x00" * 4)
     assert wire.peek_request(request.SerializeToString(), MAX_FIELDS).model_name == "minilm"
+
+
+def test_text_past_the_bound_is_refused_whatever_its_depth() -> None:
+    """Triton quotes request text in its status header: one over nghttp2's field bound
+    would end the gateway's connection to it, so no such text is passed on."""
+    long = "9" * (wire.MAX_STRING_BYTES + 1)
+    for request in (
+        service_pb2.ModelInferRequest(model_name="m", model_version=long),
+        _request(**{"k": long}),  # a string parameter, inside the parameters map
+    ):
+        with pytest.raises(wire.WireError, match="over the limit"):
+            wire.peek_request(request.SerializeToString(), MAX_FIELDS)
+    fits = service_pb2.ModelInferRequest(model_name="m", model_version="9" * wire.MAX_STRING_BYTES)
+    assert wire.peek_request(fits.SerializeToString(), MAX_FIELDS).model_name == "m"
+    statistics = service_pb2.ModelStatisticsRequest(name="identity", version=long)
+    with pytest.raises(wire.WireError, match="over the limit"):
+        wire.check_text(statistics.SerializeToString(), statistics.DESCRIPTOR, MAX_FIELDS)
+    wire.check_text(service_pb2.ModelStatisticsRequest(name="identity").SerializeToString(), statistics.DESCRIPTOR, MAX_FIELDS)

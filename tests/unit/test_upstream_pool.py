@@ -178,13 +178,10 @@ class BusyTriton(LoadingTriton):
 async def started(port: int, check_interval_s: float, check_timeout_s: float = 1.0) -> AsyncIterator[UpstreamPool]:
     config = UpstreamConfig(name="t", url=f"127.0.0.1:{port}")
     pool = UpstreamPool([config], check_interval_s=check_interval_s, check_timeout_s=check_timeout_s)
-    connections = Connections(Flusher(), config.url)
-    await connections.start()
-    await pool.start({config.name: connections})
+    await pool.start(Flusher())
     try:
         yield pool
     finally:
-        await connections.stop()
         await pool.close()
 
 
@@ -349,17 +346,24 @@ def test_a_saturated_engine_is_passed_over() -> None:
     assert pool.pick("llm", key=key) is not first
 
 
-async def test_failover_goes_to_another_upstream_once_for_unavailable_only() -> None:
+async def test_a_route_fails_over_to_another_upstream_once() -> None:
     metrics = GatewayMetrics(known_models=["llm"])
     pool = affinity_pool("a", "b", metrics=metrics)
-    for upstream in pool.upstreams:
-        upstream.open()  # the failed one is rechecked (and found down: nothing listens)
+    await pool.start(Flusher())  # the failed one is rechecked (and found down: nothing listens)
     try:
         a, b = pool.upstreams
-        assert pool.failover("llm", a, grpc.StatusCode.INVALID_ARGUMENT, key=None) is None
-        assert pool.failover("llm", a, grpc.StatusCode.UNAVAILABLE, key=b"k") is b
-        b.live = False
-        assert pool.failover("llm", a, grpc.StatusCode.UNAVAILABLE, key=None) is None
+        a.live = b.live = True
+        route = pool.route("llm", key=b"k")
+        first = route.upstream
+        other = b if first is a else a
+        assert first.in_flight == 1
+        assert route.failover() is other.connections
+        assert route.upstream is other and (first.in_flight, other.in_flight) == (0, 1)
+        assert route.failover() is None  # once
+        route.done()
+        assert other.in_flight == 0
+        a.live, b.live = True, False
+        assert pool.route("llm").failover() is None  # nowhere else to go
         counted = {
             result: metrics.registry.get_sample_value(
                 "qosgate_failovers_total", {"model": "llm", "upstream": "a", "result": result}

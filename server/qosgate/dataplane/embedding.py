@@ -9,21 +9,20 @@ share counts the model's `cost_unit` (per call, per text or per byte of text).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
 from qosgate.adapters.tensors import TensorReader, TensorWriter
-from qosgate.auth import Tenant
+from qosgate.clock import Clock
 from qosgate.config import GatewayConfig
-from qosgate.dataplane.plane import CallCost, DataPlane
+from qosgate.dataplane.call import Call, CallEdge, Header
+from qosgate.dataplane.plane import CallCost
 from qosgate.errors import Internal, InvalidArgument
 from qosgate.scheduler.cost import unit_cost
-
-if TYPE_CHECKING:
-    from qosgate.upstream.engine import UpstreamObserver
+from qosgate.upstream.pool import Route
 
 TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
@@ -32,11 +31,11 @@ MAX_INPUTS = 32
 
 
 class EngineInfer(Protocol):
-    """Sends one ModelInfer to Triton (upstream.engine.PoolEngineInfer); failures are
+    """Sends one ModelInfer to Triton on its route (upstream.engine.Engine); failures are
     raised as GatewayErrors."""
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, observer: UpstreamObserver
+        self, route: Route, request: bytes, *, headers: Sequence[Header] = (), timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse: ...
 
 
@@ -52,27 +51,18 @@ class Embeddings:
 class EmbeddingPlane:
     """Serves embedding calls for one config snapshot."""
 
-    def __init__(self, *, config: GatewayConfig, plane: DataPlane, engine: EngineInfer) -> None:
+    def __init__(self, *, config: GatewayConfig, edge: CallEdge, engine: EngineInfer, clock: Clock) -> None:
         self._config = config
-        self.dataplane = plane
+        self._edge = edge
         self._engine = engine
-        self._clock = plane.clock
+        self._clock = clock
 
-    async def embed(
-        self,
-        rpc: str,
-        tenant: Tenant,
-        model: str,
-        inputs: Sequence[str],
-        *,
-        priority_class: str | None = None,
-        deadline: float | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Embeddings:
-        """Embed `inputs` for `tenant`; `rpc` names the API and method in metrics and
-        traces, `deadline` is on the plane's clock, `headers` may carry a `traceparent`."""
+    async def embed(self, call: Call, inputs: Sequence[str]) -> Embeddings:
+        """Embed `inputs` with `call`'s model, for its caller, at its class, within its
+        deadline."""
         arrived = self._clock.now()
-        async with self.dataplane.open(rpc, tenant, model, headers) as scope:
+        model = call.model
+        async with self._edge.open(call) as scope:
             if not model:
                 raise InvalidArgument("model is required")
             if not inputs:
@@ -81,14 +71,17 @@ class EmbeddingPlane:
                 raise InvalidArgument(f"at most {MAX_INPUTS} inputs per call, got {len(inputs)}")
             unit = self._config.model_policy(model).cost_unit
             cost = unit_cost(unit, texts=len(inputs), size=sum(len(text.encode()) for text in inputs))
-            dispatch = await scope.admit(CallCost(fair_share=cost), priority_class=priority_class, deadline=deadline)
+            admitted = await self._edge.admit(scope, call, CallCost(fair_share=cost))
+            dispatch = admitted.dispatch
             request = service_pb2.ModelInferRequest(model_name=model)
             TensorWriter(request).strings(TEXT_INPUT, inputs, [len(inputs), 1])
             request.outputs.add().name = EMBEDDING_OUTPUT
-            request.parameters["priority"].uint64_param = dispatch.priority_level
-            if scope.timeout_us is not None:
-                request.parameters["timeout"].int64_param = scope.timeout_us
-            response = await self._engine.infer(request, scope.timeout_s, scope)
+            request.parameters["priority"].uint64_param = admitted.priority_level
+            if admitted.timeout_us is not None:
+                request.parameters["timeout"].int64_param = admitted.timeout_us
+            response = await self._engine.infer(
+                admitted.route, request.SerializeToString(), headers=admitted.trace, timeout_s=scope.timeout_s
+            )
             values = TensorReader(response).numbers(EMBEDDING_OUTPUT)
             if not values or len(values) % len(inputs):
                 raise Internal(f"model {model!r} returned no {EMBEDDING_OUTPUT!r} row per input")

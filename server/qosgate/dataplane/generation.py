@@ -1,9 +1,10 @@
 """The generation API's domain: prompt in, text deltas and usage out, free of any transport.
 
-One call (its tenant identified at the edge) is rendered (chat template) and costed (the
-prompt estimate + max_tokens), then goes the data plane's path (dataplane/plane.py:
-authorize, daily budget, admission, the same per-model dispatch window as KServe traffic),
-streams from Triton through the model's adapter, and is accounted with the tokens the
+One call (decoded by its front end, its caller identified by the edge) is rendered (chat
+template) and costed (the prompt estimate + max_tokens), then goes through the edge
+(class, deadline, authorize, daily budget, admission, the same per-model dispatch window
+as KServe traffic, the route: prefix affinity keys on the rendered prompt), streams from
+Triton through the model's adapter, and is accounted with the tokens the
 engine really counted: usage written, daily reservation settled, permit released, fair
 share corrected. That last step runs however the call ends (finished, failed, or
 cancelled by the caller), so a cancelled stream frees its window slot and its concurrency
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
@@ -24,17 +25,16 @@ from qosgate import paths
 from qosgate.adapters import GenerationAdapter, adapter_for
 from qosgate.adapters.chat_template import ChatTemplate
 from qosgate.adapters.tokenizer import tokenizer_counter
-from qosgate.auth import Tenant
+from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
-from qosgate.dataplane.plane import CallCost, DataPlane
+from qosgate.dataplane.call import Call, CallEdge, Header
+from qosgate.dataplane.plane import CallCost
 from qosgate.errors import Internal, InvalidArgument
 from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
 from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.scheduler.cost import token_cost
+from qosgate.upstream.pool import Route
 from qosgate.usage import UsageRecord
-
-if TYPE_CHECKING:
-    from qosgate.upstream.engine import UpstreamObserver
 
 # The request parameter our vLLM backend reads as the engine priority (smaller runs
 # first); Triton's own `priority` does not reach Python models in Triton 2.51.
@@ -43,7 +43,7 @@ ENGINE_PRIORITY_PARAMETER = "vllm_priority"
 
 @dataclass(frozen=True, slots=True)
 class GenerationCall:
-    """A generation call as the edge parsed it; None means "not set by the caller"."""
+    """A generation request as its front end parsed it; None means "not set by the caller"."""
 
     model: str
     prompt: str | None = None
@@ -54,7 +54,6 @@ class GenerationCall:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    priority_class: str | None = None
     stream: bool = True
 
 
@@ -77,34 +76,22 @@ class Finished:
 
 
 class EngineStreams(Protocol):
-    """Opens one request's response stream at Triton (ModelStreamInfer); see
-    upstream.engine.PoolEngineStreams. Failures are raised as GatewayErrors."""
+    """Sends one request to Triton on its route and streams its responses
+    (ModelStreamInfer); see upstream.engine.Engine. Failures are raised as GatewayErrors."""
 
-    def open(
-        self,
-        request: service_pb2.ModelInferRequest,
-        timeout_s: float | None,
-        observer: UpstreamObserver,
-        *,
-        prompt: str,
-        session: str | None = None,
+    def stream(
+        self, route: Route, request: bytes, *, headers: Sequence[Header] = (), timeout_s: float | None = None
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]: ...
 
 
 class GenerationPlane:
     """Serves generation calls for the models of one config snapshot."""
 
-    def __init__(
-        self,
-        *,
-        config: GatewayConfig,
-        plane: DataPlane,
-        engine: EngineStreams,
-    ) -> None:
+    def __init__(self, *, config: GatewayConfig, edge: CallEdge, engine: EngineStreams, clock: Clock) -> None:
         self._config = config
-        self.dataplane = plane
+        self._edge = edge
         self._engine = engine
-        self._clock = plane.clock
+        self._clock = clock
         self._templates: dict[str, ChatTemplate] = {}
         self._adapters: dict[str, GenerationAdapter] = {}
         # Loaded now, so a missing tokenizer stops the gateway at start, not a request.
@@ -114,51 +101,44 @@ class GenerationPlane:
             if policy.tokenizer is not None
         }
 
-    async def generate(
-        self,
-        rpc: str,
-        tenant: Tenant,
-        call: GenerationCall,
-        *,
-        deadline: float | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> AsyncGenerator[str | Finished, None]:
-        """Text deltas, then one Finished, for `tenant` (identified by the edge, or the
-        job's tenant when the batch runner calls); `rpc` names the API and method in
-        metrics and traces. `deadline` is on the plane's clock; `headers` are the call's
-        request headers (the model's routing `session_header`, the caller's `traceparent`).
+    async def generate(self, call: Call, generation: GenerationCall) -> AsyncGenerator[str | Finished, None]:
+        """Text deltas, then one Finished, for `call` (its model is the generation's; its
+        class, deadline, session and trace headers as its front end decoded them).
 
         Close the iterator when done with it (`contextlib.aclosing`): that is what
         releases the request's slot and quotas when the caller stops early.
         """
         arrived = self._clock.now()
-        async with self.dataplane.open(rpc, tenant, call.model, headers) as scope:
-            policy = self._config.model_policy(call.model)
-            request = self._request(call, policy)
-            header = policy.routing.session_header
-            session = headers.get(header) if headers and header else None
-            prompt_estimate = self._prompt_counters.get(call.model, estimate_prompt_tokens)(request.prompt)
+        call.model = generation.model
+        async with self._edge.open(call) as scope:
+            tenant = scope.tenant
+            policy = self._config.model_policy(generation.model)
+            request = self._request(generation, policy)
+            prompt_estimate = self._prompt_counters.get(generation.model, estimate_prompt_tokens)(request.prompt)
             weight = self._config.scheduler.output_token_weight
             cost = CallCost(
                 fair_share=token_cost(prompt_estimate, request.sampling.max_tokens, weight),
                 tokens=prompt_estimate + request.sampling.max_tokens,
             )
-            adapter = self._adapter(call.model, policy)
+            adapter = self._adapter(generation.model, policy)
             decoder = adapter.decoder(request, prompt_tokens_estimate=prompt_estimate)
             request_id = uuid.uuid4().hex
             responses = 0
             finished: FinishReason | None = None
             try:
-                dispatch = await scope.admit(cost, priority_class=call.priority_class, deadline=deadline)
+                admitted = await self._edge.admit(scope, call, cost, prompt=request.prompt)
+                dispatch = admitted.dispatch
                 upstream = adapter.encode(request, request_id=request_id)
-                upstream.parameters["priority"].uint64_param = dispatch.priority_level
-                upstream.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = dispatch.priority_level
-                if scope.timeout_us is not None:
-                    upstream.parameters["timeout"].int64_param = scope.timeout_us
+                upstream.parameters["priority"].uint64_param = admitted.priority_level
+                upstream.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = admitted.priority_level
+                if admitted.timeout_us is not None:
+                    upstream.parameters["timeout"].int64_param = admitted.timeout_us
                 first_token: float | None = None
                 # aclosing: when our caller leaves mid-stream, the engine stream must be
                 # closed now (cancelling the upstream call), not whenever it is collected.
-                stream = self._engine.open(upstream, scope.timeout_s, scope, prompt=request.prompt, session=session)
+                stream = self._engine.stream(
+                    admitted.route, upstream.SerializeToString(), headers=admitted.trace, timeout_s=scope.timeout_s
+                )
                 async with contextlib.aclosing(stream):
                     async for response in stream:
                         responses += 1
@@ -193,7 +173,7 @@ class GenerationPlane:
                 scope.settle(token_cost(used.prompt_tokens, used.completion_tokens, weight))
                 reason = finished.value if finished is not None else FinishReason.CANCELLED.value
                 record = (
-                    UsageRecord(tenant.name, call.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
+                    UsageRecord(tenant.name, generation.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
                     if responses
                     else None
                 )

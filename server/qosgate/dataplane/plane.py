@@ -290,13 +290,19 @@ class CallScope:
 
     async def close(self, error: BaseException | None) -> None:
         """End the call: release what it holds and record it, its code by the error table."""
+        pending = self.end(error)
+        if pending is not None:
+            await pending
+
+    def end(self, error: BaseException | None) -> Awaitable[None] | None:
+        """`close`, begun at once (see `close_now`)."""
         if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             code = CANCELLED
         elif error is not None:
             code = row_of(error).code
         else:
             code = OK
-        await self.close_with_code(code, error)
+        return self.close_now(code, error)
 
     async def close_with_code(self, code: str, error: BaseException | None = None) -> None:
         """`close` for a front end that knows the call's status code rather than an error

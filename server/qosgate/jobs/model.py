@@ -69,7 +69,8 @@ class Job:
 @dataclass(frozen=True, slots=True)
 class ClaimedItem:
     """An item the runner took for dispatch; `attempt` counts this dispatch (1 = first);
-    `lease_token` names this claim (only its holder may record the item's result)."""
+    `lease_token` names this claim (only its holder may record the item's result);
+    `job_created_at` starts its job's completion window."""
 
     job_id: str
     seq: int
@@ -79,6 +80,7 @@ class ClaimedItem:
     payload: bytes
     attempt: int
     lease_token: str
+    job_created_at: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,12 +40,12 @@ TRANSIENT_ERRORS: tuple[type[GatewayError], ...] = (Unavailable, DeadlineExceede
 
 
 class ItemExecutor(Protocol):
-    """Runs one item's request for `tenant` at priority class `klass` through admission,
-    the scheduler and the upstream; returns the serialized response or raises a
-    GatewayError."""
+    """Runs one item's request for `tenant` at priority class `klass`, within `timeout_s`
+    (what is left of its job's completion window), through the edge like any call;
+    returns the serialized response or raises a GatewayError."""
 
     async def execute(
-        self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str
+        self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str, timeout_s: float
     ) -> bytes: ...
 
 
@@ -78,6 +78,7 @@ class JobRunner:
         klass: str = "batch",
         max_in_flight: int = 8,
         retry: RetryPolicy = RetryPolicy(),
+        completion_window_s: float = 86_400.0,
         idle_poll_s: float = 5.0,
         housekeeping_interval_s: float = 60.0,
         lease_renew_interval_s: float = 10.0,
@@ -90,6 +91,7 @@ class JobRunner:
         self._klass = klass
         self._max_in_flight = max_in_flight
         self._retry = retry
+        self._completion_window_s = completion_window_s
         self._idle_poll_s = idle_poll_s
         self._housekeeping_interval_s = housekeeping_interval_s
         self._lease_renew_interval_s = lease_renew_interval_s
@@ -231,7 +233,10 @@ class JobRunner:
         try:
             if tenant is None:
                 raise PermissionDenied(f"tenant {item.tenant!r} no longer exists")
-            result = await self._executor.execute(tenant, item.kind, item.payload, self._klass)
+            left_s = self._window_left_s(item)
+            if left_s <= 0:
+                raise DeadlineExceeded(f"the job's completion window of {self._completion_window_s / 3600:g} h has passed")
+            result = await self._executor.execute(tenant, item.kind, item.payload, self._klass, left_s)
         except asyncio.CancelledError:
             if await self._store.job_status(item.job_id) is JobStatus.CANCELLING:
                 return await self._store.abandon(item)
@@ -252,12 +257,16 @@ class JobRunner:
             return await self._store.retry_later(
                 item, self._wall_time() + error.retry_after_s, count_attempt=False
             )
-        transient = isinstance(error, TRANSIENT_ERRORS)
+        transient = isinstance(error, TRANSIENT_ERRORS) and self._window_left_s(item) > 0
         if transient and item.attempt < self._retry.max_attempts:
             hint = getattr(error, "retry_after_s", None)
             delay = self._retry.delay_s(item.attempt, hint)
             return await self._store.retry_later(item, self._wall_time() + delay)
         return await self._store.fail(item, ItemError(type(error).__name__, error.message))
+
+    def _window_left_s(self, item: ClaimedItem) -> float:
+        """Seconds left of the item's job's completion window."""
+        return item.job_created_at + self._completion_window_s - self._wall_time()
 
     def _send_callback(self, job: Job) -> None:
         if self._callbacks is None or job.id in self._callback_tasks:

@@ -547,11 +547,11 @@ class SqlJobStore(abc.ABC):
 
         async def work(db: SqlSession) -> ClaimedItem | None:
             job = await db.one(
-                "SELECT tenant, status FROM batch_jobs WHERE id = ?" + self.LOCK_ROW, (job_id,)
+                "SELECT tenant, status, created_at FROM batch_jobs WHERE id = ?" + self.LOCK_ROW, (job_id,)
             )
             if job is None or job[1] not in _ACTIVE:
                 return None
-            tenant, status = job
+            tenant, status, created_at = job
             row = await db.one(
                 "SELECT seq, custom_id, kind, payload, attempts FROM batch_items"
                 " WHERE job_id = ? AND state = 'pending' AND not_before <= ?"
@@ -573,7 +573,7 @@ class SqlJobStore(abc.ABC):
                     (JobStatus.RUNNING.value, now, job_id),
                 )
             return ClaimedItem(
-                job_id, seq, tenant, custom_id, ItemKind(kind), bytes(payload), attempts + 1, token
+                job_id, seq, tenant, custom_id, ItemKind(kind), bytes(payload), attempts + 1, token, float(created_at)
             )
 
         return await self._write(work)

@@ -1,14 +1,13 @@
 """Just enough of the protobuf wire format to route KServe inference messages as bytes.
 
 The gateway never decodes tensors: it reads the few top-level fields it routes on
-(model name, request id, a handful of parameters) straight from the serialized
-ModelInferRequest / ModelStreamInferResponse, and changes a message by APPENDING an
-encoded fragment. Protobuf parsers merge concatenated messages: a later scalar replaces
-an earlier one, a later map entry replaces the entry with the same key, and a later
-embedded message merges into the earlier one. So `original + fragment` is the original
-request with our `priority`/`timeout` parameters (or id) overriding whatever the caller
-set, without copying or re-encoding the tensors (tests check this against the real
-protobuf runtime).
+(model name, request id, batch rows) straight from the serialized ModelInferRequest
+(and whether a ModelStreamInferResponse reports an error), and changes a request by
+APPENDING an encoded fragment. Protobuf parsers merge concatenated messages: a later
+scalar replaces an earlier one, a later map entry replaces the entry with the same key.
+So `original + fragment` is the original request with our `priority`/`timeout`
+parameters overriding whatever the caller set, without copying or re-encoding the
+tensors (tests check this against the real protobuf runtime).
 
 A request is also checked the way Triton's parser will check it (well-formed fields at
 every level, UTF-8 in every string, whole elements in packed fields) before it is
@@ -17,7 +16,7 @@ ModelStreamInfer stream at one, silently dropping the requests after it.
 
 Field numbers are from KServe v2's grpc_service.proto (tritonclient.grpc.service_pb2).
 The two field encoders (`len_field`, `varint_field`) also write the one part of a refusal's
-google.rpc.Status that differs per call, its RetryInfo (services/status.py).
+google.rpc.Status that differs per call, its RetryInfo (transport/status.py).
 """
 
 from __future__ import annotations
@@ -34,14 +33,11 @@ _MODEL_NAME = 1
 _ID = 3
 _PARAMETERS = 4
 _REQUEST_INPUTS = 5
-_RESPONSE_OUTPUTS = 5
 # InferInputTensor
 _INPUT_SHAPE = 3
 # ModelStreamInferResponse
 _STREAM_ERROR = 1
-_STREAM_INFER_RESPONSE = 2
 # InferParameter (a oneof)
-_BOOL_PARAM = 1
 _INT64_PARAM = 2
 _UINT64_PARAM = 5
 # map<string, InferParameter> entry
@@ -49,9 +45,6 @@ _KEY = 1
 _VALUE = 2
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-
-FINAL_RESPONSE_PARAM = "triton_final_response"
-EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
 
 
 class WireError(ValueError):
@@ -141,24 +134,6 @@ def _fields(buf: bytes | memoryview, budget: _FieldBudget | None = None):
         raise WireError("truncated message")
 
 
-def _map_entry_key(buf: bytes | memoryview, budget: _FieldBudget | None = None) -> str:
-    for number, wire_type, start, end in _fields(buf, budget):
-        if number == _KEY and wire_type == _LEN:
-            return str(buf[start:end], "utf-8", "replace")
-    return ""
-
-
-def _map_entry_bool(buf: bytes | memoryview, budget: _FieldBudget | None = None) -> bool | None:
-    """The bool_param of a map<string, InferParameter> entry's value, if it is one."""
-    for number, wire_type, start, end in _fields(buf, budget):
-        if number == _VALUE and wire_type == _LEN:
-            value = buf[start:end]
-            for vnumber, vtype, vstart, _ in _fields(value, budget):
-                if vnumber == _BOOL_PARAM and vtype == _VARINT:
-                    return _read_varint(value, vstart)[0] != 0
-    return None
-
-
 # What the protobuf runtime checks in a field it knows, by type; other types need nothing
 # beyond the well-formed framing that `_fields` checks.
 _PACKED_SIZES = {
@@ -209,6 +184,11 @@ def _schema(descriptor: Descriptor) -> _Schema:
 
 
 _INFER_REQUEST = _schema(service_pb2.ModelInferRequest.DESCRIPTOR)
+# The longest text field of a request passed on to Triton. Triton quotes request values in
+# its error messages, percent-encoded (up to 3 bytes a byte) in its grpc-message header;
+# one header field over nghttp2's bound (64 KiB, not configurable) ends the gateway's whole
+# connection to that Triton with a COMPRESSION_ERROR, every call on it with it.
+MAX_STRING_BYTES = 16 << 10
 
 
 def _check_field(
@@ -216,6 +196,8 @@ def _check_field(
 ) -> None:
     """Raise WireError where the protobuf runtime would refuse field `number`'s payload."""
     if number in schema.strings:
+        if end - start > MAX_STRING_BYTES:
+            raise WireError(f"field {number} holds {end - start} bytes of text, over the limit of {MAX_STRING_BYTES}")
         try:
             str(buf[start:end], "utf-8")
         except UnicodeDecodeError:
@@ -249,26 +231,24 @@ class InferRequestHead:
     under the `text` cost), and each read through the runtime costs several microseconds
     with the cold caches a call at low concurrency meets."""
 
-    __slots__ = ("model_name", "_request", "_id", "_wants_empty_final", "_rows")
+    __slots__ = ("model_name", "_request", "_id", "_rows")
 
     def __init__(
         self,
         model_name: str = "",
         *,
         id: str = "",  # noqa: A002 - the protobuf field's name
-        wants_empty_final: bool = False,
         rows: int = 1,
         request: service_pb2.ModelInferRequest | None = None,
     ) -> None:
         self.model_name = model_name
         self._request = request
         self._id: str | None = id if request is None else None
-        self._wants_empty_final: bool | None = wants_empty_final if request is None else None
         self._rows: int | None = rows if request is None else None
 
-    def fields(self) -> tuple[str, str, bool, int]:
-        """(model_name, id, wants_empty_final, rows), each read."""
-        return self.model_name, self.id, self.wants_empty_final, self.rows
+    def fields(self) -> tuple[str, str, int]:
+        """(model_name, id, rows), each read."""
+        return self.model_name, self.id, self.rows
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, InferRequestHead) and self.fields() == other.fields()
@@ -276,7 +256,7 @@ class InferRequestHead:
     __hash__ = None  # type: ignore[assignment]  # equal by its fields, which may be read late
 
     def __repr__(self) -> str:
-        return "InferRequestHead(model_name={!r}, id={!r}, wants_empty_final={!r}, rows={!r})".format(*self.fields())
+        return "InferRequestHead(model_name={!r}, id={!r}, rows={!r})".format(*self.fields())
 
     @property
     def id(self) -> str:
@@ -284,18 +264,6 @@ class InferRequestHead:
             assert self._request is not None
             self._id = self._request.id
         return self._id
-
-    @property
-    def wants_empty_final(self) -> bool:
-        """The caller asked for an empty final response (`triton_enable_empty_final_response`)."""
-        if self._wants_empty_final is None:
-            assert self._request is not None
-            self._wants_empty_final = False
-            parameters = self._request.parameters
-            if parameters and EMPTY_FINAL_PARAM in parameters:
-                param = parameters[EMPTY_FINAL_PARAM]
-                self._wants_empty_final = param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
-        return self._wants_empty_final
 
     @property
     def rows(self) -> int:
@@ -312,7 +280,7 @@ class InferRequestHead:
 
 
 def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
-    """Read model_name, id, the empty-final-response opt-in and the batch rows, and check
+    """Read model_name, id and the batch rows, and check
     the whole request as Triton's parser would (WireError where it would refuse it); tensor
     bytes are skipped.
 
@@ -321,11 +289,12 @@ def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
     raises TooManyFields after that many steps, whatever its size.
 
     A message of at most 2 x `max_fields` bytes cannot hold more (each field takes a tag
-    byte and at least one value byte, a nested one inside its parent's payload): the
-    protobuf runtime (upb, in C) reads it, about 25x faster than the walk here and by
-    definition as strictly as Triton's parser. Larger ones are walked under the budget.
+    byte and at least one value byte, a nested one inside its parent's payload), nor one
+    of MAX_STRING_BYTES a text field longer than that: the protobuf runtime (upb, in C)
+    reads it, about 25x faster than the walk here and by definition as strictly as
+    Triton's parser. Larger ones are walked under the budget, text fields bounded.
     """
-    if len(buf) <= 2 * max_fields:
+    if len(buf) <= min(2 * max_fields, MAX_STRING_BYTES):
         try:
             request = service_pb2.ModelInferRequest.FromString(buf)
         except DecodeError as e:
@@ -333,7 +302,6 @@ def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
         return InferRequestHead(request.model_name, request=request)
     budget = _FieldBudget(max_fields)
     model_name = request_id = ""
-    wants_empty_final = False
     rows = 1
     first_input = True
     for number, wire_type, start, end in _fields(buf, budget):
@@ -347,11 +315,7 @@ def peek_request(buf: bytes | memoryview, max_fields: int) -> InferRequestHead:
             model_name = str(buf[start:end], "utf-8")
         elif number == _ID:
             request_id = str(buf[start:end], "utf-8")
-        elif number == _PARAMETERS:
-            entry = buf[start:end]
-            if _map_entry_key(entry, budget) == EMPTY_FINAL_PARAM:
-                wants_empty_final = bool(_map_entry_bool(entry, budget))
-    return InferRequestHead(model_name, id=request_id, wants_empty_final=wants_empty_final, rows=rows)
+    return InferRequestHead(model_name, id=request_id, rows=rows)
 
 
 def _first_dimension(tensor: bytes | memoryview, default: int, budget: _FieldBudget) -> int:
@@ -364,65 +328,6 @@ def _first_dimension(tensor: bytes | memoryview, default: int, budget: _FieldBud
         if wire_type == _VARINT:
             return _read_varint(tensor, start)[0]
     return default
-
-
-@dataclass(slots=True)
-class StreamResponseHead:
-    """The routing fields of a ModelStreamInferResponse."""
-
-    id: str = ""
-    is_error: bool = False
-    is_final: bool = False
-    has_outputs: bool = False
-
-
-# A stream response up to this size is read by the protobuf runtime (upb, in C), about
-# 4x faster than the walk below for a typical one; a larger one is walked, so that its
-# tensor bytes are not copied.
-_SMALL_STREAM_RESPONSE = 4096
-
-
-def peek_stream_response(buf: bytes) -> StreamResponseHead:
-    """Which request a stream response belongs to and whether it is that request's last.
-
-    Triton marks every stream response with `triton_final_response`; an error response
-    (error_message set) is always the last one of its request.
-    """
-    if len(buf) <= _SMALL_STREAM_RESPONSE:
-        try:
-            response = service_pb2.ModelStreamInferResponse.FromString(buf)
-        except DecodeError:
-            pass  # e.g. a string that is not UTF-8: the walk reads it leniently
-        else:
-            inner = response.infer_response
-            parameters = inner.parameters
-            is_error = bool(response.error_message)
-            is_final = is_error or (
-                FINAL_RESPONSE_PARAM in parameters and parameters[FINAL_RESPONSE_PARAM].bool_param
-            )
-            return StreamResponseHead(inner.id, is_error, is_final, bool(inner.outputs))
-    head = StreamResponseHead()
-    for number, wire_type, start, end in _fields(buf):
-        if wire_type != _LEN:
-            continue
-        if number == _STREAM_ERROR and end > start:
-            head.is_error = True
-        elif number == _STREAM_INFER_RESPONSE:
-            inner = buf[start:end]
-            for inumber, itype, istart, iend in _fields(inner):
-                if itype != _LEN:
-                    continue
-                if inumber == _ID:
-                    head.id = inner[istart:iend].decode("utf-8", "replace")
-                elif inumber == _RESPONSE_OUTPUTS:
-                    head.has_outputs = True
-                elif inumber == _PARAMETERS:
-                    entry = inner[istart:iend]
-                    if _map_entry_key(entry) == FINAL_RESPONSE_PARAM:
-                        head.is_final = bool(_map_entry_bool(entry))
-    if head.is_error:
-        head.is_final = True
-    return head
 
 
 _ONE_BYTE = [bytes((value,)) for value in range(0x80)]
@@ -458,10 +363,6 @@ def _parameter(key: str, param_number: int, value: int) -> bytes:
 # Precomputed per level: the scheduler hands out a handful of levels, so the hot path
 # only concatenates bytes.
 _PRIORITY_FRAGMENTS = {level: _parameter("priority", _UINT64_PARAM, level) for level in range(16)}
-_EMPTY_FINAL_FRAGMENT = len_field(
-    _PARAMETERS,
-    len_field(_KEY, EMPTY_FINAL_PARAM.encode()) + len_field(_VALUE, varint_field(_BOOL_PARAM, 1)),
-)
 
 
 def priority_fragment(level: int) -> bytes:
@@ -475,42 +376,37 @@ def timeout_fragment(timeout_us: int) -> bytes:
     return _parameter("timeout", _INT64_PARAM, max(1, timeout_us))
 
 
-def empty_final_fragment() -> bytes:
-    """Asks Triton for an empty last response when a decoupled model ends without one."""
-    return _EMPTY_FINAL_FRAGMENT
+def dispatch_fragment(level: int, timeout_us: int | None) -> bytes:
+    """The bytes appended to a request at dispatch: Triton's priority `level`, and its
+    timeout when the call has a deadline."""
+    fragment = priority_fragment(level)
+    return fragment if timeout_us is None else fragment + timeout_fragment(timeout_us)
 
 
-def id_fragment(request_id: str) -> bytes:
-    """Replaces a ModelInferRequest's id (top-level field 3)."""
-    return len_field(_ID, request_id.encode())
+def stream_response_failed(buf: bytes) -> bool:
+    """Whether a ModelStreamInferResponse reports its request failed (`error_message`
+    set). Only its top-level fields are walked: two, the response skipped whole."""
+    try:
+        for number, wire_type, start, end in _fields(buf):
+            if number == _STREAM_ERROR and wire_type == _LEN and end > start:
+                return True
+    except WireError:
+        return False  # not ours to judge: it goes to the caller as Triton wrote it
+    return False
 
 
-_INFER_RESPONSE_TAG = bytes(((_STREAM_INFER_RESPONSE << 3) | _LEN,))
+def check_text(raw: bytes, descriptor: Descriptor, max_fields: int) -> None:
+    """Raise WireError when a request of `descriptor`'s type (one the runtime parsed)
+    holds a text field longer than MAX_STRING_BYTES, at any depth (see there)."""
+    if len(raw) > MAX_STRING_BYTES:
+        _check(memoryview(raw), _schemas(descriptor), _FieldBudget(max_fields))
 
 
-def with_stream_response_id(buf: bytes, request_id: str) -> bytes:
-    """A ModelStreamInferResponse with its infer_response's id set to `request_id`.
+_SCHEMAS: dict[str, _Schema] = {}
 
-    The id is appended inside infer_response's own bytes (a later scalar wins), and the
-    message is written again around it. Appending a second infer_response instead would
-    rely on embedded messages being merged, which protobuf.js (under Node's grpc-js) does
-    not do: it keeps the last occurrence only, and its caller would get the id alone."""
-    id_field = len_field(_ID, request_id.encode())
-    if buf[:1] == _INFER_RESPONSE_TAG:
-        length, start = _read_varint(buf, 1)
-        if start + length == len(buf):  # the usual response: its infer_response alone
-            return b"".join((_INFER_RESPONSE_TAG, _varint(length + len(id_field)), memoryview(buf)[start:], id_field))
-    fields = list(_fields(buf))
-    last = None
-    for index, (number, wire_type, _start, _end) in enumerate(fields):
-        if number == _STREAM_INFER_RESPONSE and wire_type == _LEN:
-            last = index
-    out = bytearray()
-    for index, (number, wire_type, start, end) in enumerate(fields):
-        if wire_type == _LEN:
-            out += len_field(number, buf[start:end] + id_field if index == last else buf[start:end])
-        else:
-            out += _varint((number << 3) | wire_type) + buf[start:end]
-    if last is None:
-        out += len_field(_STREAM_INFER_RESPONSE, id_field)
-    return bytes(out)
+
+def _schemas(descriptor: Descriptor) -> _Schema:
+    schema = _SCHEMAS.get(descriptor.full_name)
+    if schema is None:
+        schema = _SCHEMAS[descriptor.full_name] = _schema(descriptor)
+    return schema

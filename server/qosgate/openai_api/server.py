@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import ssl
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -33,10 +34,12 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from qosgate import errors
-from qosgate.auth import Tenant, TenantDirectory
+from qosgate.auth import ConnectionCredentials, Tenant
 from qosgate.config import OpenAIConfig
+from qosgate.dataplane.call import Call
 from qosgate.dataplane.embedding import EmbeddingPlane
 from qosgate.dataplane.generation import Finished, GenerationPlane
+from qosgate.edge import Edge
 from qosgate.kserve.names import PRIORITY_HEADER
 from qosgate.openai_api import wire
 from qosgate.openai_api.batches import BatchCreateRequest, OpenAIBatches
@@ -55,7 +58,16 @@ MAX_PAGE_SIZE = 100
 SHUTDOWN_GRACE_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_TENANT = web.RequestKey("tenant", Tenant)  # the caller, in each request's state
+_CALL = web.RequestKey("call", Call)  # each request's call, as the edge takes it
+# The `rpc` label of each route's calls.
+_RPCS = {
+    "/v1/chat/completions": "openai.ChatCompletions",
+    "/v1/completions": "openai.Completions",
+    "/v1/embeddings": "openai.Embeddings",
+}
+# Headers a caller gives its request's time in, seconds: `timeout`, and what the official
+# SDKs send (the Node one: its client's timeout).
+_TIMEOUT_HEADERS = ("timeout", "x-stainless-timeout")
 
 
 class OpenAIServer:
@@ -65,7 +77,7 @@ class OpenAIServer:
         self,
         *,
         config: OpenAIConfig,
-        directory: TenantDirectory,
+        edge: Edge,
         generation: GenerationPlane,
         embedding: EmbeddingPlane,
         pool: UpstreamPool,
@@ -74,7 +86,7 @@ class OpenAIServer:
     ) -> None:
         self._config = config
         self._tls = tls
-        self._directory = directory
+        self._edge = edge
         self._generation = generation
         self._embedding = embedding
         self._pool = pool
@@ -141,7 +153,9 @@ class OpenAIServer:
         caller without a valid key learns nothing but 401), and every failure answered
         with an OpenAI error object by the one error table."""
         try:
-            request[_TENANT] = self._identify(request)
+            call = request[_CALL] = self._call(request)
+            self._edge.identify(call)
+            call.timeout_s = self._timeout(request)
             return await handler(request)
         except ConnectionResetError:
             raise  # the client went away mid-response: aiohttp drops it quietly
@@ -151,17 +165,40 @@ class OpenAIServer:
             # aiohttp's own refusals (no such route, wrong method, body too large).
             return _error_response(e.status, e.reason)
         except Exception as e:  # domain errors by the table; anything else INTERNAL
-            response = http_error(e, request.get(_TENANT) if isinstance(e, errors.QuotaExceeded) else None)
+            decoded = request.get(_CALL)
+            tenant = decoded.tenant if decoded is not None and isinstance(e, errors.QuotaExceeded) else None
+            response = http_error(e, tenant)
             return web.json_response(response.body, status=response.status, headers=response.headers)
 
-    def _identify(self, request: web.Request) -> Tenant:
-        """Who calls: its key, or its verified client certificate (mutual TLS)."""
+    def _call(self, request: web.Request) -> Call:
+        """The request as the edge takes it: its headers (the key, a routing session id,
+        a traceparent), and its verified client certificate (mutual TLS)."""
         transport = request.transport
         certificate = peer_certificate(transport.get_extra_info("ssl_object") if transport else None)
-        return self._directory.identify(_metadata(request), certificate)
+        headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in request.headers.items()]
+        rpc = _RPCS.get(request.match_info.route.resource.canonical if request.match_info.route.resource else "", "openai")
+        return Call(rpc, headers, ConnectionCredentials(certificate))
+
+    def _timeout(self, request: web.Request) -> float:
+        """The seconds the caller gives its request: the least of the timeout headers it
+        sent, else the configured default."""
+        given = []
+        for name in _TIMEOUT_HEADERS:
+            value = request.headers.get(name)
+            if value is None:
+                continue
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds < math.inf:
+                raise errors.InvalidArgument(f"header {name!r}: a timeout is a positive number of seconds")
+            given.append(seconds)
+        return min(given) if given else self._config.request_timeout_s
 
     def _tenant(self, request: web.Request) -> Tenant:
-        tenant: Tenant = request[_TENANT]
+        tenant = request[_CALL].tenant
+        assert tenant is not None  # identified before any route runs
         return tenant
 
     def _priority(self, request: web.Request, service_tier: str | None) -> str:
@@ -197,17 +234,13 @@ class OpenAIServer:
     async def _generate(
         self, request: web.Request, body: wire.ChatCompletionRequest | wire.CompletionRequest, *, chat: bool
     ) -> web.StreamResponse:
-        proto = body.generate_request()
-        proto.priority_class = self._priority(request, body.service_tier)
-        call = to_call(proto, stream=body.stream)
-        rpc = "openai.ChatCompletions" if chat else "openai.Completions"
+        generation = to_call(body.generate_request(), stream=body.stream)
+        call = request[_CALL]
+        call.priority_class = self._priority(request, body.service_tier) or None
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = wire.now()
-        tenant = self._tenant(request)
-        # The headers by name (the last of a repeated one): a routing session id, a traceparent.
-        headers = dict(_metadata(request))
         try:
-            async with contextlib.aclosing(self._generation.generate(rpc, tenant, call, headers=headers)) as items:
+            async with contextlib.aclosing(self._generation.generate(call, generation)) as items:
                 if body.stream:
                     return await self._stream(request, items, body, chat, completion_id, created)
                 texts: list[str] = []
@@ -266,16 +299,11 @@ class OpenAIServer:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         body = wire.parse(wire.EmbeddingRequest, await self._json(request))
-        tenant = self._tenant(request)
         proto = body.embed_request()
-        result = await self._embedding.embed(
-            "openai.Embeddings",
-            tenant,
-            proto.model,
-            list(proto.inputs),
-            priority_class=self._priority(request, body.service_tier) or None,
-            headers=dict(_metadata(request)),
-        )
+        call = request[_CALL]
+        call.model = proto.model
+        call.priority_class = self._priority(request, body.service_tier) or None
+        result = await self._embedding.embed(call, list(proto.inputs))
         return web.json_response(wire.embeddings_of(body.model, result, body))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -390,9 +418,3 @@ class _RequestHandler(RequestHandler):
             response.force_close()
             return response
         return super().handle_error(request, status, exc, message)
-
-
-def _metadata(request: web.Request) -> list[tuple[str, str]]:
-    """The request's headers as sent (repeated ones included), names lower-case, as the
-    tenant directory reads them."""
-    return [(name.lower(), value) for name, value in request.headers.items()]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from qosgate.auth import ClientCertificate
+from qosgate.auth import ConnectionCredentials
 from qosgate.relay.policy import CONNECTION_FULL
 from qosgate.transport import framing, http2
 from qosgate.transport.messages import WRITE_BUFFER, Inbox, StreamError, Writer
@@ -69,9 +69,9 @@ class ServerStream:
         self._task: asyncio.Task[None] | None = task
 
     @property
-    def certificate(self) -> ClientCertificate | None:
-        """The caller's verified TLS client certificate, if any."""
-        return self._down.caller.certificate
+    def caller(self) -> ConnectionCredentials:
+        """The caller's connection: its verified TLS client certificate, if any."""
+        return self._down.caller
 
     def time_remaining(self) -> float | None:
         """Seconds left before the caller's deadline; None without one."""

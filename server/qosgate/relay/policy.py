@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from qosgate.auth import ConnectionCredentials
+from qosgate.dataplane.call import Call
+from qosgate.kserve.names import PRIORITY_HEADER
 from qosgate.transport.status import RESOURCE_EXHAUSTED, Header, Refuse
+
+_PRIORITY = PRIORITY_HEADER.encode()
 
 if TYPE_CHECKING:
     from qosgate.upstream.connections import ConnectionPool
@@ -122,3 +126,14 @@ class CallPolicy(Protocol):
     """Decides each relayed call from its headers and first message."""
 
     def __call__(self, head: CallHead) -> Decision | Awaitable[Decision]: ...
+
+
+def call_of(rpc: str, headers: Sequence[Header], caller: ConnectionCredentials, timeout_s: float | None) -> Call:
+    """A call on the relay as the edge takes it (the one decoding of every gRPC call the
+    relay decides or serves): its headers as sent, the class asked for in `x-priority`,
+    the seconds left of its `grpc-timeout`."""
+    priority = None
+    for name, value in headers:
+        if name == _PRIORITY:
+            priority = value  # the last one, as gRPC metadata merges them
+    return Call(rpc, headers, caller, priority_class=priority.decode("latin-1") if priority else None, timeout_s=timeout_s)

@@ -53,7 +53,7 @@ class Route:
     a response message over `max_response_size` fails the call RESOURCE_EXHAUSTED."""
 
     prefix: bytes
-    pool: ConnectionPool
+    pool: ConnectionPool | None  # None: the policy names each call's upstream
     policy: CallPolicy | None = None
     max_response_size: int = _UNBOUNDED
 
@@ -124,6 +124,7 @@ class Call:
                 self.timer = loop.call_at(self.deadline, self.deadline_passed)
         self.client_done = end_stream
         if route.policy is None:
+            assert route.pool is not None, "a route without a policy has a pool"
             self.forward(route.pool, self.down.pass_on(self.headers), end_stream)
         elif end_stream:  # no message at all: the policy decides on the headers alone
             self.decide(b"")
@@ -283,7 +284,11 @@ class Call:
             if decision.failover is not None and self.client_done and not any(self.pending[1:]):
                 self.replay = resent
         assert self.route is not None
-        self.forward(decision.upstream or self.route.pool, headers, self.client_done and not self.pending)
+        pool = decision.upstream or self.route.pool
+        if pool is None:  # a bug of the policy: it named no upstream
+            self.fail(Refuse(INTERNAL, "internal error"))
+            return
+        self.forward(pool, headers, self.client_done and not self.pending)
 
     # -- upstream ---------------------------------------------------------------------------
 
@@ -578,7 +583,7 @@ class Relay:
     def route(
         self,
         prefix: bytes,
-        pool: ConnectionPool,
+        pool: ConnectionPool | None,
         policy: CallPolicy | None = None,
         *,
         max_response_size: int = _UNBOUNDED,

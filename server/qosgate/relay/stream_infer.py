@@ -1,220 +1,87 @@
 """The gateway's ModelStreamInfer on the relay, the KServe streaming data path: each request
-of a stream scheduled on its own through the data plane (dataplane/plane.py).
+of a caller's stream is a call of its own through the edge.
 
-A stream is served message by message (messages.ServerStream) and goes to one Triton on one
-upstream stream (messages.ClientStream), over the relay's persistent HTTP/2 connections:
+A stream is served message by message (messages.ServerStream); its caller is identified
+once, and its tenant's open streams are bounded. Each request in it is decoded (its model
+and id read from its bytes, nothing else), admitted by the edge (`qosgate.edge`), routed
+by its own model's routing policy (prefix affinity on the model's session header
+included) and sent to Triton as a ModelStreamInfer of its own, half-closed, on the
+upstream's persistent connections (connections.ClientStream), with Triton's priority and
+timeout appended. Triton's responses, which carry the request's own id, go back onto the
+caller's stream as they come, and that upstream stream's end is the request's end. So the
+requests of one stream for different models go where each model's policy says, and a
+request whose Triton fails before its first response fails over like any call
+(`Route.failover`).
 
-identify (key headers, or the TLS client certificate) → the tenant's stream limit → pick
-the upstream → per request: read the model from its bytes → the data plane's path
-(authorize, admit, dispatch slot, deadline) → append Triton's priority and timeout, a
-gateway id and a request for an empty final response → send it up the stream.
-
-Requests get a gateway id on their way up (appended; the caller's id comes back appended
-to each response), so responses of interleaved requests can be matched to the request
-holding the dispatch slot. Triton is asked for an empty final response so that a decoupled
-model's end is always seen; callers that did not ask for it do not get it. A refusal of one
-request is reported in the stream, as Triton reports a failed request, and the stream goes
-on (under `triton_grpc_error: true` it ends the stream with the refusal's status, as Triton
-does). A failure of the upstream call ends the stream with Triton's own status fields.
+A refusal of one request is reported in the stream, as Triton reports a failed request (a
+response with `error_message` = `"<CODE>: <reason>"` and the request's id), and the
+stream goes on; so is an upstream failure of one request. Under `triton_grpc_error: true`
+(passed on to Triton too) either ends the stream with its status instead, as Triton does.
 
 Everything a stream holds is bounded (`limits`): responses waiting for the caller
 (`stream_buffer_bytes`) and requests read and not finished (`stream_max_pending`). While
-the caller does not read, the session stops reading Triton's responses and the caller's
-requests, and its requests at Triton give their dispatch slots back (`CallScope.free_slot`).
+the caller does not read, the session takes no more of Triton's responses (their bytes
+stay unacknowledged, so Triton stops) nor of the caller's requests, and its requests at
+Triton give their dispatch slots back (`CallScope.free_slot`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
 from tritonclient.grpc import service_pb2
 
 from qosgate import errors
-from qosgate.auth import Tenant
-from qosgate.config import GatewayConfig
-from qosgate.dataplane.plane import CallCost, CallScope, DataPlane
+from qosgate.config import ResourceLimits
+from qosgate.dataplane.call import Admitted, Call
+from qosgate.dataplane.plane import CallCost, CallScope
+from qosgate.edge import Edge
+from qosgate.eager import run_eagerly
+from qosgate.kserve import wire
+from qosgate.kserve.names import GRPC_ERROR_HEADER, STREAM_INFER, path
 from qosgate.memory import HeapTrimmer
 from qosgate.quota import Refused, StreamLimiter
-from qosgate.error_table import row_of
-from qosgate.kserve import wire
-from qosgate.kserve.names import GRPC_ERROR_HEADER, PRIORITY_HEADER, STREAM_INFER, path
-from qosgate.relay.infer_policy import ModelFacts, peek_infer_request, request_cost
+from qosgate.relay.infer_policy import peek_infer_request, request_cost
 from qosgate.relay.messages import OK_STATUS, ServerStream
-from qosgate.transport import framing, http2
+from qosgate.relay.policy import call_of
+from qosgate.transport import http2
 from qosgate.transport.messages import StreamError
-from qosgate.transport.status import UNAVAILABLE, Refuse, code_name, refusal, status_headers, status_of
-from qosgate.upstream import Upstream, UpstreamPool
-from qosgate.upstream.connections import ClientStream, ConnectionPool
+from qosgate.transport.status import OK, UNAVAILABLE, code_name, decode_message, refusal, status_headers, status_of
+from qosgate.upstream.connections import ClientStream
+from qosgate.upstream.pool import Route
 
-STREAM_RPC = STREAM_INFER
 PATH = path(STREAM_INFER)
 _GRPC_ERROR = GRPC_ERROR_HEADER.encode()
 
 
 class StreamInferHandler:
-    """Serves ModelStreamInfer calls (a messages.Handler); `connections` maps each
-    upstream's name to the relay's pool of HTTP/2 connections to it."""
+    """Serves ModelStreamInfer calls (a messages.Handler)."""
 
-    def __init__(
-        self,
-        *,
-        config: GatewayConfig,
-        plane: DataPlane,
-        pool: UpstreamPool,
-        connections: Mapping[str, ConnectionPool],
-        streams: StreamLimiter,
-        heap: HeapTrimmer,
-    ) -> None:
-        self.config = config
-        self.models = ModelFacts(config)
-        self.plane = plane
-        self.pool = pool
-        self.connections = connections
+    def __init__(self, *, edge: Edge, streams: StreamLimiter, limits: ResourceLimits, heap: HeapTrimmer) -> None:
+        self.edge = edge
         self.streams = streams
+        self.limits = limits
         self.heap = heap
-        self.stream_ids = itertools.count(1)
 
     async def __call__(self, stream: ServerStream) -> Sequence[http2.Header]:
-        metadata = [
-            (key.decode("latin-1"), value.decode("latin-1"))
-            for key, value in stream.headers
-            if not key.startswith(b":")
-        ]
+        call = call_of(STREAM_INFER, stream.headers, stream.caller, stream.time_remaining())
         try:
-            tenant = self.plane.directory.identify(metadata, stream.certificate)
+            tenant = self.edge.identify(call)
         except errors.GatewayError as e:
-            self.plane.metrics.rejected(row_of(e).reason, "", "")
             return status_headers(refusal(e))
-        # Text headers by key, a repeated key keeping its last value; none read is binary.
-        headers = {key: value for key, value in metadata if not key.endswith("-bin")}
-        return await _Session(self, tenant, stream, headers).run()
-
-
-@dataclass(slots=True, eq=False)
-class _InFlight:
-    """A request of a stream that Triton has not finished yet."""
-
-    client_id: str
-    wants_empty_final: bool
-    scope: CallScope
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    failed: bool = False  # Triton answered with an error_message
-
-    def end(self, failed: bool = False) -> None:
-        self.failed = failed
-        self.done.set()
-        self.scope.free_slot()
-
-
-class _Outbox:
-    """The responses of one stream waiting for its caller to read them, bounded in bytes.
-
-    `put` waits while the buffer holds `max_bytes` or more (a message larger than the
-    bound still passes once the buffer is below it), so the stream's producers stop when
-    its caller stops reading. `flowing` is set while there is room.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._items: collections.deque[bytes] = collections.deque()
-        self._bytes = 0
-        self._max_bytes = max_bytes
-        self._readable = asyncio.Event()
-        self._closed = False
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-
-    def full(self) -> bool:
-        return self._bytes >= self._max_bytes
-
-    def idle(self) -> bool:
-        """Nothing queued and still open: a response may go out past the queue."""
-        return not self._items and not self._closed
-
-    async def put(self, item: bytes) -> None:
-        """Queue `item` once there is room; after `close` it is dropped (the stream ended)."""
-        while self.full() and not self._closed:
-            await self.flowing.wait()
-        if self._closed:
-            return
-        self._items.append(item)
-        self._bytes += len(item)
-        if self.full():
-            self.flowing.clear()
-        self._readable.set()
-
-    def close(self) -> None:
-        """Nothing more is queued: `get` returns what is already there, then None."""
-        self._closed = True
-        self._readable.set()
-        self.flowing.set()
-
-    async def get(self) -> bytes | None:
-        while not self._items:
-            if self._closed:
-                return None
-            self._readable.clear()
-            await self._readable.wait()
-        item = self._items.popleft()
-        self._bytes -= len(item)
-        if not self.full():
-            self.flowing.set()
-        return item
-
-
-def _in_band_message(error: BaseException) -> str:
-    """The `error_message` of an in-band ModelStreamInferResponse: KServe streams report a
-    failed request inside the stream and keep it open, so the code cannot travel as a
-    status: it leads the text instead ("RESOURCE_EXHAUSTED: ...")."""
-    code, message, _ = status_of(error)
-    return f"{code_name(code)}: {message}"
-
-
-def _stream_error(request_id: str, message: str) -> bytes:
-    return service_pb2.ModelStreamInferResponse(
-        error_message=message, infer_response=service_pb2.ModelInferResponse(id=request_id)
-    ).SerializeToString()
-
-
-class _Session:
-    """One ModelStreamInfer call (see the module): one upstream stream, each request a
-    call of the data plane (`CallScope`), closed when its final response arrives."""
-
-    def __init__(
-        self, handler: StreamInferHandler, tenant: Tenant, stream: ServerStream, headers: dict[str, str]
-    ) -> None:
-        self._h = handler
-        self._tenant = tenant
-        self._stream = stream
-        self._headers = headers
-        self._limits = handler.config.limits
-        self._outbox = _Outbox(self._limits.stream_buffer_bytes)
-        self._in_flight: dict[str, _InFlight] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._write_lock = asyncio.Lock()  # one request's bytes at a time up the stream
-        self._fatal: Sequence[http2.Header] | None = None  # the status that ends the stream early
-        self._close_on_error = headers.get(GRPC_ERROR_HEADER, "").lower() == "true"
-        self._prefix = f"qg{next(handler.stream_ids)}-"
-        self._upstream_name = ""
-        self._ids = itertools.count(1)
-
-    async def run(self) -> Sequence[http2.Header]:
-        h = self._h
-        try:
-            upstream = h.pool.pick()
-            opened = h.streams.open(self._tenant)
-            if isinstance(opened, Refused):
-                raise opened.error()
-        except errors.GatewayError as e:  # counted as a refused call of no model
-            await h.plane.open(STREAM_RPC, self._tenant, "", self._headers).close(e)
-            return status_headers(refusal(e))
+        opened = self.streams.open(tenant)
+        if isinstance(opened, Refused):  # counted as a refused call of no model
+            error = opened.error()
+            await self.edge.open(call).close(error)
+            return status_headers(refusal(error))
         # Compiled by mypyc, so no await in a `finally` (see CallScope.close_with_code).
         failed: BaseException | None = None
+        ended: Sequence[http2.Header] = OK_STATUS
         try:
-            ended = await self._relay(upstream)
+            ended = await _Session(self, call, stream).run()
         except BaseException as e:
             failed = e
         await opened.permit.release()
@@ -222,181 +89,307 @@ class _Session:
             raise failed
         return ended
 
-    def _upstream_headers(self) -> list[http2.Header]:
-        stream = self._stream
-        headers = [
-            (b":method", b"POST"),
-            (b":scheme", http2.header(stream.headers, b":scheme") or b"http"),
-            (b":path", PATH),
-            (b":authority", http2.header(stream.headers, b":authority") or b"triton"),
-            (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"),
-        ]
-        left = stream.time_remaining()
-        if left is not None:
-            headers.append((b"grpc-timeout", framing.format_timeout(left)))
-        if self._close_on_error:
-            headers.append((_GRPC_ERROR, self._headers[GRPC_ERROR_HEADER].encode("latin-1")))
-        return headers
 
-    async def _relay(self, upstream: Upstream) -> Sequence[http2.Header]:
-        h = self._h
-        conn = h.connections[upstream.name].pick()
-        if conn is None:  # its connections are down (its health check may not know yet)
-            h.pool.recheck(upstream)
-            return status_headers(Refuse(UNAVAILABLE, "no upstream connection"))
-        self._upstream_name = upstream.name
-        with upstream.lease():
-            call = ClientStream(conn, self._upstream_headers(), self._limits.max_response_bytes)
-            pump = asyncio.create_task(self._pump(call))
-            reader = asyncio.create_task(self._read(call))
-            failed: BaseException | None = None
-            try:
-                while (item := await self._outbox.get()) is not None:
-                    await self._stream.write(item)
-                ended = self._ending(call, upstream)
-            except BaseException as e:
+def _stream_error(request_id: str, error: BaseException) -> bytes:
+    """An in-band response reporting a failed request: KServe streams report it inside
+    the stream and go on, so the code leads the text ("RESOURCE_EXHAUSTED: ...")."""
+    code, message, _ = status_of(error)
+    return service_pb2.ModelStreamInferResponse(
+        error_message=f"{code_name(code)}: {message}", infer_response=service_pb2.ModelInferResponse(id=request_id)
+    ).SerializeToString()
+
+
+def _upstream_failure(request_id: str, status: int, trailers: Sequence[http2.Header]) -> bytes:
+    """An in-band response reporting that Triton (or the way to it) failed a request."""
+    message = decode_message(http2.header(trailers, b"grpc-message") or b"")
+    return service_pb2.ModelStreamInferResponse(
+        error_message=f"{code_name(status)}: {message}", infer_response=service_pb2.ModelInferResponse(id=request_id)
+    ).SerializeToString()
+
+
+class _Session:
+    """One ModelStreamInfer call (see the module): its requests in flight, and the
+    responses waiting for its caller."""
+
+    def __init__(self, handler: StreamInferHandler, call: Call, stream: ServerStream) -> None:
+        self.handler = handler
+        self.call = call
+        self.stream = stream
+        limits = handler.limits
+        self.limits = limits
+        self.in_flight: set[_Request] = set()
+        # Responses waiting for the caller, and their bytes; `flowing` while below the bound.
+        self.outbox: deque[bytes] = deque()
+        self.queued = 0
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.idle = asyncio.Event()  # no request in flight
+        self.idle.set()
+        self.room = asyncio.Event()  # fewer than stream_max_pending requests in flight
+        self.room.set()
+        self.fatal: Sequence[http2.Header] | None = None  # the status that ends the stream early
+        self._task: asyncio.Task[Any] | None = None  # the one running `run`
+        grpc_error = call.header(_GRPC_ERROR)
+        self.close_on_error = grpc_error is not None and grpc_error.lower() == b"true"
+        self.extra: tuple[http2.Header, ...] = ((_GRPC_ERROR, grpc_error),) if grpc_error is not None else ()
+        self.closing: set[asyncio.Future[Any]] = set()  # scope closes waiting on a shared store
+        self._writer: asyncio.Task[None] | None = None
+
+    async def run(self) -> Sequence[http2.Header]:
+        self._task = asyncio.current_task()
+        failed: BaseException | None = None
+        try:
+            await self._take_requests()
+            # The caller half-closed: once its requests are finished and their responses
+            # written, so is the stream.
+            while self.in_flight:
+                await self.idle.wait()
+            writer = self._writer
+            if writer is not None:
+                await writer
+        except asyncio.CancelledError as e:
+            if self.fatal is None:  # the caller left (its reset, deadline, connection)
                 failed = e
-            # The caller left (or we are done): stop reading it, drop its queued
-            # requests, and cancel the upstream stream so Triton stops generating.
-            for task in (pump, reader, *self._tasks):
-                task.cancel()
-            call.cancel()
-            await asyncio.gather(pump, reader, *self._tasks, return_exceptions=True)
-            if failed is not None:
-                raise failed
-            return ended
+        except BaseException as e:
+            failed = e
+        # The caller left, the stream ended early, or we are done: nothing of it runs on.
+        for request in list(self.in_flight):
+            request.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
+            self._writer = None
+        self._task = None  # its frames refer to this session
+        if failed is not None:
+            raise failed
+        return self.fatal if self.fatal is not None else OK_STATUS
 
-    def _ending(self, call: ClientStream, upstream: Upstream) -> Sequence[http2.Header]:
-        """The status the stream ends with, once the caller has its last response."""
-        if self._fatal is not None:
-            return self._fatal
-        if call.ended and call.status != 0:
-            if call.status == UNAVAILABLE:
-                self._h.pool.recheck(upstream)  # it may have gone away: check it now
-            return call.trailers
-        return OK_STATUS
-
-    async def _pump(self, call: ClientStream) -> None:
-        pending = asyncio.Semaphore(self._limits.stream_max_pending)
-        try:
-            while True:
-                # A caller that does not read its responses gets no more requests read.
-                await self._outbox.flowing.wait()
-                await pending.acquire()
-                raw = await self._stream.read()
-                if raw is None:
-                    break
-                self._h.heap.message(len(raw))
-                task = asyncio.create_task(self._serve(call, raw))
-                raw = None  # held by the task only, until it is sent upstream
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                task.add_done_callback(lambda _: pending.release())
-        except StreamError as e:  # the caller's bytes are not a valid message stream
-            self._fatal = status_headers(e.refusal)
-            self._outbox.close()
-            return
-        # The caller half-closed: once its requests are finished, so do we upstream.
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        call.done_writing()
-
-    async def _serve(self, call: ClientStream, raw: bytes) -> None:
-        """One request of the stream: a call of the data plane of its own, its refusal
-        answered in the stream (or ending it, under `triton_grpc_error`)."""
-        h = self._h
-        malformed: errors.InvalidArgument | None = None
-        try:
-            head = peek_infer_request(raw, self._limits.max_request_fields)
-        except errors.InvalidArgument as e:  # a call of no model, refused like any other
-            head, malformed = wire.InferRequestHead(), e
-        try:
-            async with h.plane.open(STREAM_RPC, self._tenant, head.model_name, self._headers) as scope:
-                if malformed is not None:
-                    raise malformed
-                # Nothing of a stream whose caller is not reading is admitted.
-                await self._outbox.flowing.wait()
-                dispatching = self._dispatch(scope, call, head, raw)
-                raw = b""  # held by `_dispatch` only, which lets go of it once it is sent
-                await dispatching
-        except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
-            if self._close_on_error:
-                self._fatal = status_headers(refusal(e))
-                self._outbox.close()
-            else:
-                await self._outbox.put(_stream_error(head.id, _in_band_message(e)))
-
-    async def _dispatch(
-        self, scope: CallScope, call: ClientStream, head: wire.InferRequestHead, raw: bytes
-    ) -> None:
-        """Admit the request, send it up the stream and wait for its final response; the
-        reader (`_read`) reports its responses to the scope."""
-        h = self._h
-        cost = CallCost(fair_share=request_cost(h.models.cost_unit(head.model_name), head, len(raw)))
-        deadline = h.plane.deadline(self._stream.time_remaining())
-        dispatch = await scope.admit(cost, priority_class=self._headers.get(PRIORITY_HEADER), deadline=deadline)
-        fragment = wire.priority_fragment(dispatch.priority_level)
-        if scope.timeout_us is not None:
-            fragment += wire.timeout_fragment(scope.timeout_us)
-        gateway_id = f"{self._prefix}{next(self._ids)}"
-        entry = _InFlight(head.id, head.wants_empty_final, scope)
-        self._in_flight[gateway_id] = entry
-        if self._outbox.full():
-            scope.free_slot()  # see `_deliver`
-        try:
-            scope.upstream_started(self._upstream_name)
+    async def _take_requests(self) -> None:
+        stream, heap = self.stream, self.handler.heap
+        while self.fatal is None:
+            # A caller that does not read its responses gets no more requests read.
+            if not self.flowing.is_set():
+                await self.flowing.wait()
+            if not self.room.is_set():
+                await self.room.wait()
             try:
-                async with self._write_lock:
-                    await call.write(
-                        raw, fragment, wire.id_fragment(gateway_id), wire.empty_final_fragment()
-                    )
-            except StreamError as e:
-                # The upstream stream ended under us: the reader reports it to the caller.
-                await scope.close_with_code(code_name(e.refusal.status), e)
+                raw = await stream.read()
+            except StreamError as e:  # the caller's bytes are not a valid message stream
+                self.end(status_headers(e.refusal))
                 return
-            raw = b""  # sent: a request waiting at Triton does not keep its bytes here
-            await entry.done.wait()
-        finally:
-            self._in_flight.pop(gateway_id, None)
-        if entry.failed:
-            # In-band errors carry no status code; the metric still must not say OK.
-            await scope.close_with_code("UPSTREAM_ERROR")
+            if raw is None:
+                return
+            heap.message(len(raw))
+            self._start(raw)
 
-    async def _read(self, call: ClientStream) -> None:
+    def _start(self, raw: bytes) -> None:
+        """One request of the stream: decoded, then admitted as a call of its own."""
+        handler, stream, call = self.handler, self.stream, self.call
         try:
-            while (raw := await call.read()) is not None:
-                head = wire.peek_stream_response(raw)
-                entry = self._in_flight.get(head.id)
-                if entry is None:
-                    await self._deliver(raw)
-                    continue
-                if not head.is_error:
-                    entry.scope.responded()  # an error names no model that exists
-                if head.is_final:
-                    entry.end(failed=head.is_error)
-                    if not (head.has_outputs or head.is_error or entry.wants_empty_final):
-                        continue  # the empty final response we asked for, not the caller
-                await self._deliver(wire.with_stream_response_id(raw, entry.client_id))
-        finally:
-            # Requests Triton did not finish: failed if the upstream stream did. Any end
-            # but OK goes to the caller, CANCELLED included (Triton gave up on the stream):
-            # only this session cancels the call itself, and then nobody listens.
-            failed = call.ended and call.status != 0
-            for entry in self._in_flight.values():
-                entry.end(failed=failed)
-            self._outbox.close()
-
-    async def _deliver(self, response: bytes) -> None:
-        """Queue a response for the caller; while its buffer is full, stop reading Triton."""
-        if self._outbox.full():
-            # The caller is not reading: its requests at Triton give their slots back
-            # rather than hold the model's window while this stream waits.
-            for entry in self._in_flight.values():
-                entry.scope.free_slot()
-        self._h.heap.message(len(response))
-        # With nothing queued before it and room at the caller, a response goes out at
-        # once, without a turn of the writer (`_relay`).
-        if self._outbox.idle() and self._stream.write_now(response):
+            head = peek_infer_request(raw, self.limits.max_request_fields)
+        except errors.InvalidArgument as e:  # a call of no model, refused like any other
+            self._refused(handler.edge.open(call), "", e)
             return
-        await self._outbox.put(response)
+        request_call = Call(
+            STREAM_INFER,
+            call.headers,
+            call.caller,
+            model=head.model_name,
+            priority_class=call.priority_class,
+            timeout_s=stream.time_remaining(),
+            tenant=call.tenant,
+        )
+        request = _Request(self, handler.edge.open(request_call), head.id, raw)
+        self.in_flight.add(request)
+        self.idle.clear()
+        if len(self.in_flight) >= self.limits.stream_max_pending:
+            self.room.clear()
+        cost = CallCost(fair_share=request_cost(handler.edge.models.cost_unit(head.model_name), head, len(raw)))
+        request.admit(request_call, cost)
+
+    def _refused(self, scope: CallScope, request_id: str, error: BaseException) -> None:
+        """A request refused before it went upstream: counted, and answered in the stream."""
+        self.settle(scope.end(error))
+        if self.close_on_error:
+            self.end(status_headers(refusal(error)))
+        else:
+            self.deliver(_stream_error(request_id, error))
+
+    def finished(self, request: _Request) -> None:
+        self.in_flight.discard(request)
+        if len(self.in_flight) < self.limits.stream_max_pending:
+            self.room.set()
+        if not self.in_flight:
+            self.idle.set()
+
+    def end(self, trailers: Sequence[http2.Header]) -> None:
+        """End the stream early with `trailers` (its first such end wins)."""
+        if self.fatal is None:
+            self.fatal = trailers
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()  # `run` stops waiting, and returns `trailers`
+
+    def settle(self, pending: Awaitable[None] | None) -> None:
+        """Keep a scope's close that waits (a shared quota store) until it is done."""
+        if pending is not None:
+            closing = asyncio.ensure_future(pending)
+            self.closing.add(closing)
+            closing.add_done_callback(self.closing.discard)
+
+    # -- responses to the caller ------------------------------------------------------------
+
+    def deliver(self, response: bytes) -> None:
+        """Send a response to the caller, or queue it while the caller is behind."""
+        self.handler.heap.message(len(response))
+        # With nothing queued before it and room at the caller, a response goes out at
+        # once, without a turn of the writer.
+        if not self.outbox and self.stream.write_now(response):
+            return
+        self.outbox.append(response)
+        self.queued += len(response)
+        if self.queued >= self.limits.stream_buffer_bytes and self.flowing.is_set():
+            # The caller is not reading: take no more responses from Triton, and let its
+            # requests there give their slots back rather than hold the model's window.
+            self.flowing.clear()
+            for request in self.in_flight:
+                request.hold()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while self.outbox:
+                response = self.outbox[0]
+                await self.stream.write(response)
+                self.outbox.popleft()
+                self.queued -= len(response)
+                if not self.flowing.is_set() and self.queued < self.limits.stream_buffer_bytes:
+                    self.flowing.set()
+                    for request in self.in_flight:
+                        request.release()
+        except StreamError:
+            pass  # the caller's stream ended: the session is being torn down
+        finally:
+            self._writer = None
+
+
+class _Request:
+    """One request of a stream at Triton: its scope, its upstream call (a ClientSink)."""
+
+    __slots__ = ("session", "scope", "id", "raw", "route", "upstream", "responded", "failed", "admitting")
+
+    def __init__(self, session: _Session, scope: CallScope, request_id: str, raw: bytes) -> None:
+        self.session = session
+        self.scope = scope
+        self.id = request_id
+        self.raw = raw  # until it is sent upstream
+        self.route: Route | None = None
+        self.upstream: ClientStream | None = None
+        self.responded = False
+        self.failed = False  # Triton answered with an error_message
+        self.admitting: asyncio.Task[Admitted | BaseException] | None = None
+
+    def admit(self, call: Call, cost: CallCost) -> None:
+        """Admit and send at once when nothing waits (a free slot, quotas in this process);
+        else when admission is done."""
+        edge = self.session.handler.edge
+        if edge.admits_in_process:
+            outcome = run_eagerly(self._admitted(call, cost))
+            if not isinstance(outcome, asyncio.Task):
+                self._send(outcome)
+                return
+            self.admitting = outcome
+        else:  # a shared quota store: its client times out through the current task
+            self.admitting = asyncio.ensure_future(self._admitted(call, cost))
+        self.admitting.add_done_callback(self._admitted_later)
+
+    async def _admitted(self, call: Call, cost: CallCost) -> Admitted | BaseException:
+        try:
+            return await self.session.handler.edge.admit(self.scope, call, cost)
+        except Exception as e:  # refused (the table's code), or a bug (INTERNAL, logged)
+            return e
+
+    def _admitted_later(self, task: asyncio.Task[Admitted | BaseException]) -> None:
+        self.admitting = None
+        if task.cancelled():  # the stream ended while it waited
+            self._close(errors.Cancelled("the stream ended"))
+            return
+        self._send(task.result())
+
+    def _send(self, outcome: Admitted | BaseException) -> None:
+        session = self.session
+        raw, self.raw = self.raw, b""
+        if isinstance(outcome, BaseException):
+            session._refused(self.scope, self.id, outcome)
+            session.finished(self)
+            return
+        route = self.route = outcome.route
+        fragment = wire.dispatch_fragment(outcome.priority_level, outcome.timeout_us)
+        self.upstream = ClientStream(
+            route.connections,
+            PATH,
+            (raw, fragment),
+            self,
+            limit=session.limits.max_response_bytes,
+            extra=(*session.extra, *outcome.trace),
+            timeout_s=self.scope.timeout_s,
+            failover=route.failover if route.can_fail_over else None,
+        )
+        if not session.flowing.is_set():
+            self.hold()
+
+    def hold(self) -> None:
+        """The caller is not reading: take no more responses, give the slot back."""
+        if self.upstream is not None:
+            self.upstream.pause()
+        self.scope.free_slot()
+
+    def release(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume()
+
+    # -- ClientSink ---------------------------------------------------------------------------
+
+    def response(self, message: bytes) -> None:
+        if wire.stream_response_failed(message):
+            self.failed = True
+        elif not self.responded:
+            self.responded = True
+            self.scope.responded()  # an error names no model that exists
+        self.session.deliver(message)
+
+    def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
+        session = self.session
+        if self.route is not None:
+            if status == UNAVAILABLE:
+                self.route.recheck()  # it may have gone away: check it now
+            self.route.done()
+        if status == OK:
+            # In-band errors carry no status code; the metric still must not say OK.
+            session.settle(self.scope.close_now("UPSTREAM_ERROR" if self.failed else "OK"))
+        else:
+            session.settle(self.scope.close_now(code_name(status)))
+            if session.close_on_error:
+                session.end(trailers)
+            else:
+                session.deliver(_upstream_failure(self.id, status, trailers))
+        self.upstream = None
+        session.finished(self)
+
+    # -- the stream ending -------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The stream is over: the request is cancelled wherever it is."""
+        if self.admitting is not None:
+            self.admitting.cancel()  # its done callback closes the scope
+            return
+        upstream = self.upstream
+        if upstream is not None and not upstream.ended:
+            upstream.cancel()
+            if self.route is not None:
+                self.route.done()
+        self._close(errors.Cancelled("the stream ended"))
+
+    def _close(self, error: BaseException) -> None:
+        self.session.settle(self.scope.end(error))
+        self.session.finished(self)

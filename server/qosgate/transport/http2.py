@@ -86,6 +86,12 @@ MAX_FRAME_SIZE = 1 << 16
 # could serve in a second.
 RESET_BURST = 10_000
 RESET_RATE = 10_000
+# Header fields a caller's request may carry, in bytes (nghttp2's default); Triton's
+# answers may carry more: its error messages quote the request (a 70 KB version string
+# comes back in grpc-message), and the relay cuts them before passing them on. Over the
+# bound nghttp2 ends the whole connection, every call on it with it.
+MAX_HEADER_LIST = 64 << 10
+MAX_UPSTREAM_HEADER_LIST = 4 << 20
 _WHITESPACE = b" \t"
 if "leading_and_trailing_ws_validation" not in ngh2.Configuration.__dataclass_fields__:
     raise ImportError(f"ngh2 {ngh2.__version__} is not the build the relay needs: `make venv` makes it")
@@ -119,6 +125,7 @@ class Http2Connection:
             auto_window_update=False,
             stream_reset_rate_limit=(RESET_BURST, RESET_RATE),
             leading_and_trailing_ws_validation=False,
+            max_inbound_header_list_size=MAX_HEADER_LIST if server else MAX_UPSTREAM_HEADER_LIST,
         )
         self._conn = ngh2.Connection(role, config)
         self._conn.initiate_connection(

@@ -127,6 +127,22 @@ class Inbox:
         self._acknowledge()
         self._wake()
 
+    @property
+    def error(self) -> Refuse | None:
+        """Why the stream's bytes are no valid message stream (a message over the size
+        limit, a corrupt one, one cut short), once they proved not to be."""
+        return self._error
+
+    def take(self) -> bytes | None:
+        """The next whole message if one is in (None if not), for a reader that is told
+        when bytes arrive rather than waiting for them."""
+        if not self._ready:
+            return None
+        message = self._ready.popleft()
+        if not self._ready:
+            self._acknowledge()
+        return message
+
     async def read(self) -> bytes | None:
         """The next message; None once the stream has ended; StreamError if it failed."""
         while not self._ready:

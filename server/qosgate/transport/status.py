@@ -14,6 +14,7 @@ import binascii
 import functools
 import math
 import re
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ CANCELLED = 1
 UNKNOWN = 2
 INVALID_ARGUMENT = 3
 DEADLINE_EXCEEDED = 4
+NOT_FOUND = 5
 RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
 INTERNAL = 13
@@ -103,6 +105,13 @@ def percent_encode(message: str) -> bytes:
         else:
             out += b"%%%02X" % byte
     return bytes(out)
+
+
+def decode_message(encoded: bytes) -> str:
+    """A grpc-message's text (percent-decoded; bytes that are no UTF-8 replaced)."""
+    if b"%" not in encoded:
+        return encoded.decode("utf-8", "replace")
+    return urllib.parse.unquote_to_bytes(encoded).decode("utf-8", "replace")
 
 
 def cut_message(encoded: bytes) -> bytes:

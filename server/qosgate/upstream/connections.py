@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from qosgate.transport import framing, http2
-from qosgate.transport.messages import Inbox, StreamError, Writer
+from qosgate.transport.messages import Inbox
 from qosgate.transport.peer import Flusher, Peer
 from qosgate.transport.status import (
     CANCELLED,
@@ -43,6 +44,7 @@ _RECONNECT_DELAYS_S = (0.05, 0.2, 0.5)
 _MAX_OWN_RESPONSE = 64 << 20
 _CANCEL = int(http2.ErrorCode.CANCEL)
 _REFUSED_STREAM = int(http2.ErrorCode.REFUSED_STREAM)
+_GRPC_REQUEST = ((b"content-type", b"application/grpc"), (b"te", b"trailers"))
 
 
 class StreamListener(Protocol):
@@ -125,108 +127,262 @@ class UpstreamConnection(Peer):
             self._on_lost()
 
 
+class ClientSink(Protocol):
+    """Where a ClientStream's responses go, as they come."""
+
+    def response(self, message: bytes) -> None:
+        """One whole response message (decompressed)."""
+
+    def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
+        """The call ended (once, after its last response): its grpc-status, and the
+        fields to pass on to a caller (a lost connection or a reset reads as UNAVAILABLE /
+        CANCELLED / INTERNAL, as a gRPC client reports them)."""
+
+
+# Where a ClientStream goes once more, when its upstream failed it before the first
+# response: another upstream's connections, or None to pass the failure on.
+Failover = Callable[[], "ConnectionPool | None"]
+
+
 class ClientStream:
-    """A call the gateway makes on an upstream connection, one message at a time.
+    """A call the gateway makes on an upstream's connections, one message at a time: the
+    request (whole, then half-closed) goes out at once, each response message goes to
+    `sink` as it comes, and the end once.
 
-    `read` gives the upstream's messages, then None when the call has ended: `status` is
-    its grpc-status and `trailers` the fields to pass on to a caller (a lost connection or
-    a reset reads as UNAVAILABLE / CANCELLED / INTERNAL, as a gRPC client reports them)."""
+    The one retry of every message-level call to Triton: when the upstream fails the call
+    before its first response (an UNAVAILABLE status, a refused stream, a lost or missing
+    connection) and `failover` names another upstream, the request (kept until then) is
+    sent there instead, once; after a response nothing is sent again. A sink that cannot
+    take more calls `pause` (the responses' bytes then stay unacknowledged, so Triton
+    stops at one stream window) and `resume`."""
 
-    __slots__ = ("_conn", "stream_id", "_inbox", "_writer", "status", "trailers", "ended")
+    __slots__ = (
+        "_pool", "_path", "_extra", "_deadline", "_request", "_sink", "_limit", "_failover",
+        "_conn", "stream_id", "_inbox", "_responded", "ended", "_paused", "_end",
+    )  # fmt: skip
 
-    def __init__(self, conn: UpstreamConnection, headers: Sequence[http2.Header], max_response_size: int) -> None:
-        self._conn = conn
-        self.status: int | None = None
-        self.trailers: Sequence[http2.Header] = ()
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        path: bytes,
+        request: tuple[bytes | memoryview, ...],
+        sink: ClientSink,
+        *,
+        limit: int,
+        extra: Sequence[http2.Header] = (),
+        timeout_s: float | None = None,
+        failover: Failover | None = None,
+    ) -> None:
+        """`request`: the request message's parts (unframed, joined as they are framed);
+        `extra`: headers beside the call's
+        own; `timeout_s`: the call's deadline (grpc-timeout, and what is left of it on a
+        second attempt); `limit`: the largest response message taken."""
+        self._pool = pool
+        self._path = path
+        self._extra = extra
+        self._deadline = None if timeout_s is None else pool.loop.time() + timeout_s
+        self._request = framing.frame(*request)
+        self._sink: ClientSink | None = sink
+        self._limit = limit
+        self._failover = failover
+        self._conn: UpstreamConnection | None = None
+        self.stream_id = 0
+        self._inbox: Inbox | None = None
+        self._responded = False
         self.ended = False
+        self._paused = False
+        self._end: tuple[int, Sequence[http2.Header]] | None = None  # held while paused
+        self._open()
+
+    def _open(self) -> None:
+        conn = self._pool.pick()
+        if conn is None:  # the upstream's connections are down (its health check may not know yet)
+            self._fail(Refuse(UNAVAILABLE, "no upstream connection"))
+            return
+        headers = self._pool.call_headers(self._path, self._extra)
+        if self._deadline is not None:
+            headers.append((b"grpc-timeout", framing.format_timeout(self._deadline - self._pool.loop.time())))
+        self._conn = conn
         self.stream_id = conn.open_stream(headers, self, end_stream=False)
-        self._inbox = Inbox(conn, self.stream_id, max_response_size, b"identity")
-        self._writer = Writer(conn, self.stream_id)
+        self._inbox = Inbox(conn, self.stream_id, self._limit, b"identity")
+        conn.h2.send_data(self.stream_id, self._request, end_stream=True)
 
-    async def read(self) -> bytes | None:
-        try:
-            return await self._inbox.read()
-        except StreamError as e:  # a response over the size limit
-            if not self.ended:
-                self._conn.h2.reset(self.stream_id, _CANCEL)
-                self._conn.touch()
-                self._ended_with(e.refusal)
-            return None
+    def _fail(self, refusal: Refuse) -> None:
+        """The attempt failed before any response: go to the failover's upstream, or end."""
+        if not self._responded and self._fail_over():
+            return
+        self._ended_with(refusal.status, status_headers(refusal))
 
-    async def write(self, *parts: bytes) -> None:
-        """Send a message (`parts` joined, so a large one is copied once) upstream;
-        StreamError once the call has ended."""
-        if self.ended:
-            raise StreamError(Refuse(self.status if self.status is not None else CANCELLED, "upstream call ended"))
-        await self._writer.write(*parts)
+    def _fail_over(self) -> bool:
+        failover, self._failover = self._failover, None  # once
+        pool = failover() if failover is not None else None
+        if pool is None:
+            return False
+        old = self._conn
+        if old is not None:
+            old.streams.pop(self.stream_id, None)  # its later events are not this call's
+            old.h2.reset(self.stream_id, _CANCEL)
+            old.touch()
+        self._pool, self._conn, self._inbox = pool, None, None
+        self._open()
+        return True
 
-    def done_writing(self) -> None:
-        if not self.ended:
-            self._conn.h2.end_stream(self.stream_id)
-            self._conn.touch()
+    def pause(self) -> None:
+        """Take no more responses until `resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._deliver()
 
     def cancel(self) -> None:
-        """Cancel the call upstream (RST_STREAM), unless it has ended."""
-        if not self.ended:
-            self._conn.h2.reset(self.stream_id, _CANCEL)
-            self._conn.touch()
-            self._ended_with(Refuse(CANCELLED, "cancelled"))
+        """Cancel the call upstream (RST_STREAM), unless it has ended; the sink hears no more."""
+        if self.ended:
+            return
+        self.ended = True
+        self._sink = None
+        conn = self._conn
+        if conn is not None:
+            conn.h2.reset(self.stream_id, _CANCEL)
+            conn.touch()
+        if self._inbox is not None:
             self._inbox.close()
+        self._request = b""
 
-    # -- StreamListener ---------------------------------------------------------------------
+    def _deliver(self) -> None:
+        inbox, sink = self._inbox, self._sink
+        if sink is None:  # cancelled
+            return
+        if inbox is not None:
+            while not self._paused and not self.ended:
+                message = inbox.take()
+                if message is None:
+                    break
+                if not self._responded:
+                    self._responded = True
+                    self._request = b""  # never sent again
+                sink.response(message)
+            error = inbox.error
+            if error is not None and not self.ended and self._end is None:
+                # Bytes that are no valid message stream (a response over the size limit).
+                if self._conn is not None:
+                    self._conn.h2.reset(self.stream_id, _CANCEL)
+                    self._conn.touch()
+                self._end = (error.status, status_headers(error))
+        if self._end is not None and not self._paused and not self.ended:  # every response taken
+            status, trailers = self._end
+            self.ended = True
+            self._request = b""
+            self._sink = None  # the sink may refer to this stream: no cycle is left behind
+            sink.ended(status, trailers)
+
+    def _ended_with(self, status: int, trailers: Sequence[http2.Header]) -> None:
+        if self.ended or self._end is not None:
+            return
+        self._end = (status, trailers)
+        if self._inbox is not None:
+            self._inbox.end()
+        self._deliver()
+
+    # -- StreamListener -------------------------------------------------------------------
 
     def upstream_headers(self, headers: Sequence[http2.Header], end_stream: bool) -> None:
         if end_stream:  # trailers-only: the status is in these headers
             self.upstream_trailers(headers)
             return
-        for name, value in headers:
-            if name == b"grpc-encoding":
-                self._inbox.encoding = value
+        inbox = self._inbox
+        if inbox is not None:
+            for name, value in headers:
+                if name == b"grpc-encoding":
+                    inbox.encoding = value
 
     def upstream_data(self, data: bytes, end_stream: bool) -> None:
-        self._inbox.feed(data, end_stream)
-        if end_stream and not self.ended:  # DATA with END_STREAM and no trailers
-            self._ended_with(Refuse(UNKNOWN, "upstream ended the call without a status"))
+        inbox = self._inbox
+        if inbox is None:
+            return
+        inbox.feed(data, end_stream)
+        self._deliver()
+        if end_stream:  # DATA with END_STREAM and no trailers
+            self._ended_with(UNKNOWN, status_headers(Refuse(UNKNOWN, "upstream ended the call without a status")))
 
     def upstream_trailers(self, headers: Sequence[http2.Header]) -> None:
-        if self.ended:
+        value = http2.header(headers, b"grpc-status")
+        status = int(value) if value is not None and value.isdigit() else UNKNOWN
+        if status == UNAVAILABLE and not self._responded and self._fail_over():
             return
-        self.ended = True
-        status = http2.header(headers, b"grpc-status")
-        self.status = int(status) if status is not None and status.isdigit() else UNKNOWN
-        self.trailers = [
-            (name, value)
-            for name, value in bounded_messages(headers)
-            if not name.startswith(b":") and name != b"content-type"
+        trailers = [
+            (name, value) for name, value in bounded_messages(headers) if not name.startswith(b":") and name != b"content-type"
         ]
-        self._inbox.end()
+        self._ended_with(status, trailers)
 
     def upstream_reset(self, error_code: int) -> None:
-        if error_code == _CANCEL:
-            self._ended_with(Refuse(CANCELLED, "upstream cancelled the call"))
-        elif error_code == _REFUSED_STREAM:
-            self._ended_with(Refuse(UNAVAILABLE, "upstream refused the call"))
+        if error_code == _REFUSED_STREAM:
+            self._fail(Refuse(UNAVAILABLE, "upstream refused the call"))
+        elif error_code == _CANCEL:
+            self._ended_with(CANCELLED, status_headers(Refuse(CANCELLED, "upstream cancelled the call")))
         else:
-            self._ended_with(Refuse(INTERNAL, f"upstream reset the call (HTTP/2 error {error_code})"))
-        self._inbox.close()
+            refusal = Refuse(INTERNAL, f"upstream reset the call (HTTP/2 error {error_code})")
+            self._ended_with(refusal.status, status_headers(refusal))
 
     def upstream_closed(self) -> None:
-        self._ended_with(Refuse(UNKNOWN, "upstream closed the call without a status"))
-        self._inbox.close()
-        self._writer.release()
+        refusal = Refuse(UNKNOWN, "upstream closed the call without a status")
+        self._ended_with(refusal.status, status_headers(refusal))
 
     def upstream_lost(self) -> None:
-        self._ended_with(Refuse(UNAVAILABLE, "upstream connection lost"))
-        self._inbox.close()
-        self._writer.release()
+        self._fail(Refuse(UNAVAILABLE, "upstream connection lost"))
 
-    def _ended_with(self, refusal: Refuse) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        self.status = refusal.status
-        self.trailers = status_headers(refusal)
-        self._inbox.end()
+
+class ClientReader:
+    """A ClientStream's sink for a coroutine: `await next()` gives the responses, then None
+    at the end, when `status` and `trailers` are set. Holds at most `buffer` bytes of
+    responses before it pauses the stream."""
+
+    __slots__ = ("stream", "_messages", "_held", "_buffer", "_waiter", "status", "trailers")
+
+    def __init__(self, buffer: int = 1 << 20) -> None:
+        self.stream: ClientStream | None = None
+        self._messages: deque[bytes] = deque()
+        self._held = 0
+        self._buffer = buffer
+        self._waiter: asyncio.Future[None] | None = None
+        self.status: int | None = None
+        self.trailers: Sequence[http2.Header] = ()
+
+    def response(self, message: bytes) -> None:
+        self._messages.append(message)
+        self._held += len(message)
+        if self._held > self._buffer and self.stream is not None:
+            self.stream.pause()
+        self._wake()
+
+    def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
+        self.status, self.trailers = status, trailers
+        self._wake()
+
+    async def next(self) -> bytes | None:
+        while not self._messages:
+            if self.status is not None:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        message = self._messages.popleft()
+        self._held -= len(message)
+        stream = self.stream
+        if stream is not None and stream._paused and self._held <= self._buffer // 2:
+            stream.resume()
+        return message
+
+    def cancel(self) -> None:
+        """The reader leaves early: the call is cancelled upstream."""
+        if self.stream is not None:
+            self.stream.cancel()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 # Calls fill one connection before the next takes any: calls that leave together share
@@ -260,6 +416,7 @@ class ConnectionPool:
         self._stopping = False
         self._watchers: list[Callable[[], None]] = []
         self._failures = 0  # connection attempts in a row that failed
+        self.loop = asyncio.get_running_loop()
         scheme = b"http" if tls is None else b"https"
         authority = b"localhost" if address.startswith("unix:") else address.encode()
         self._call_headers = ((b":method", b"POST"), (b":scheme", scheme), (b":authority", authority))
@@ -308,35 +465,26 @@ class ConnectionPool:
             self._wake.set()
         return best
 
+    def call_headers(self, path: bytes, extra: Sequence[http2.Header] = ()) -> list[http2.Header]:
+        """The request headers of a gRPC call of `path` on this pool's connections."""
+        return [*self._call_headers, (b":path", path), *_GRPC_REQUEST, *extra]
+
     async def unary(self, path: bytes, message: bytes, timeout_s: float) -> tuple[int, bytes | None]:
-        """One unary gRPC call of the gateway's own: (its grpc-status, the response message,
-        None without one). UNAVAILABLE when no connection is open; DEADLINE_EXCEEDED when no
-        answer came within `timeout_s` (the call is cancelled)."""
-        conn = self.pick()
-        if conn is None:
-            return UNAVAILABLE, None
-        headers = (
-            *self._call_headers,
-            (b":path", path),
-            (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"),
-            (b"grpc-timeout", framing.format_timeout(timeout_s)),
-        )
-        call = ClientStream(conn, headers, _MAX_OWN_RESPONSE)
+        """One unary gRPC call of the gateway's own (a health check): (its grpc-status, the
+        response message, None without one). UNAVAILABLE when no connection is open;
+        DEADLINE_EXCEEDED when no answer came within `timeout_s` (the call is cancelled)."""
+        reader = ClientReader()
+        reader.stream = ClientStream(self, path, (message,), reader, limit=_MAX_OWN_RESPONSE, timeout_s=timeout_s)
         response = None
         try:
             async with asyncio.timeout(timeout_s):
-                await call.write(message)
-                call.done_writing()
-                response = await call.read()
-                while await call.read() is not None:  # a unary call answers one message
+                response = await reader.next()
+                while await reader.next() is not None:  # a unary call answers one message
                     pass
         except TimeoutError:
-            call.cancel()
+            reader.cancel()
             return DEADLINE_EXCEEDED, None
-        except StreamError:  # the call ended before the request went out
-            pass
-        status = call.status if call.status is not None else UNAVAILABLE
+        status = reader.status if reader.status is not None else UNAVAILABLE
         return status, (response if status == 0 else None)
 
     def _lost(self) -> None:

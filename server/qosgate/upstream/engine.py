@@ -1,145 +1,133 @@
-"""The data plane's ways to Triton on the upstream pool: one ModelStreamInfer per
-generation (`PoolEngineStreams`), one ModelInfer per embedding call (`PoolEngineInfer`),
-and the one mapping of Triton's gRPC failures to domain errors (`upstream_error`).
+"""The gateway's own calls to Triton, message by message over the upstream pool's
+connections (the relay's KServe unary calls go as frames instead): a generation's
+ModelStreamInfer, an embedding's ModelInfer, a KServe metadata RPC; and the one mapping of
+Triton's statuses to domain errors (`upstream_error`).
 
-Both engines report each upstream attempt to the call's `UpstreamObserver` (which upstream,
-its responses, when it ended), so upstream latency and the upstream span are recorded the same way for
-every API, and send the observer's headers (W3C `traceparent`) so Triton can continue
-the caller's trace.
+Each call goes to its `Route`'s upstream and fails over as the route allows (a
+`connections.ClientStream` does both), and is reported to the route when it ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
 
-import grpc
 from tritonclient.grpc import service_pb2
 
 from qosgate import errors
-from qosgate.upstream.pool import Upstream, UpstreamPool
+from qosgate.kserve.names import INFER, STREAM_INFER, path
+from qosgate.transport import http2
+from qosgate.transport.status import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    OK,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    code_name,
+    decode_message,
+)
+from qosgate.upstream.connections import ClientReader, ClientStream
+from qosgate.upstream.pool import Route, UpstreamPool
 
-# Upstream gRPC codes that are the caller's to fix or retry; anything else is INTERNAL.
-_UPSTREAM_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+_INFER_PATH = path(INFER)
+_STREAM_INFER_PATH = path(STREAM_INFER)
+# Triton's codes that are the caller's to fix or retry; anything else is INTERNAL.
+_UPSTREAM_CODES: dict[int, type[errors.GatewayError]] = {
+    INVALID_ARGUMENT: errors.InvalidArgument,
     # The model cannot serve this API (ModelInfer on a decoupled LLM, say): the caller's choice.
-    grpc.StatusCode.UNIMPLEMENTED: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.CANCELLED: errors.Cancelled,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    UNIMPLEMENTED: errors.InvalidArgument,
+    NOT_FOUND: errors.NotFound,
+    DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    CANCELLED: errors.Cancelled,
+    UNAVAILABLE: errors.Unavailable,
+    # Triton's queue for the model is full: retry later, as for the gateway's own shedding.
+    RESOURCE_EXHAUSTED: errors.Unavailable,
 }
 
 
-class UpstreamObserver(Protocol):
-    """What a call lets its engine report: each attempt at an upstream, and the headers
-    (trace context) every attempt carries to Triton."""
+class Engine:
+    """Calls to Triton for the planes (generation, embedding) and the relay's KServe RPCs;
+    `max_response_bytes` bounds each response message taken."""
 
-    def upstream_started(self, upstream: str) -> None:
-        """An attempt at `upstream` begins (a failover starts a second one)."""
-
-    def responded(self) -> None:
-        """A response came from the upstream (every one; the first is what counts)."""
-
-    def upstream_finished(self) -> None:
-        """The current attempt ended (last response, failure or cancel)."""
-
-    def upstream_headers(self) -> Sequence[tuple[str, str]]:
-        """Metadata to send with the call to Triton."""
-
-
-class PoolEngineStreams:
-    """The generation plane's engine: one ModelStreamInfer call per generation."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, *, max_response_bytes: int) -> None:
         self._pool = pool
+        self._limit = max_response_bytes
 
-    async def open(
-        self,
-        request: service_pb2.ModelInferRequest,
-        timeout_s: float | None,
-        observer: UpstreamObserver,
-        *,
-        prompt: str,
-        session: str | None = None,
+    def call(
+        self, route: Route, method_path: bytes, request: bytes, *, headers: Sequence[http2.Header] = (), timeout_s: float | None = None
+    ) -> ClientReader:
+        """Start one call of `method_path` carrying `request` on the route's upstream; its
+        responses and end come out of the reader. End it with `finish`."""
+        reader = ClientReader()
+        reader.stream = ClientStream(
+            route.connections,
+            method_path,
+            (request,),
+            reader,
+            limit=self._limit,
+            extra=headers,
+            timeout_s=timeout_s,
+            failover=route.failover if route.can_fail_over else None,
+        )
+        return reader
+
+    def finish(self, route: Route, reader: ClientReader) -> None:
+        """The call is over for its caller: cancelled upstream if it still runs, reported
+        to its route, and its upstream checked now if it answered UNAVAILABLE."""
+        reader.cancel()
+        if reader.status == UNAVAILABLE:
+            self._pool.recheck(route.upstream)
+        route.done()
+
+    async def stream(
+        self, route: Route, request: bytes, *, headers: Sequence[http2.Header] = (), timeout_s: float | None = None
     ) -> AsyncGenerator[service_pb2.ModelInferResponse, None]:
-        """The request's responses; if its upstream fails UNAVAILABLE before the first one,
-        the request goes once more to another upstream (pool.failover), never after.
-        `prompt` and `session` are what the model's routing may key the upstream on.
-
-        Closing the iterator early (the caller went away) cancels the upstream call, so
-        Triton cancels the request in the engine."""
-        model, payload = request.model_name, request.SerializeToString()
-        key = self._pool.key(model, prompt=prompt, session=session)
-        upstream = self._pool.pick(model, key=key)
-        retried = False
-        while True:
-            responded = False
-            with upstream.lease():
-                observer.upstream_started(upstream.name)
-                call = upstream.stream()(timeout=timeout_s, metadata=observer.upstream_headers())
-                try:
-                    await call.write(payload)
-                    async for raw in call:
-                        responded = True
-                        message = service_pb2.ModelStreamInferResponse.FromString(raw)
-                        if message.error_message:
-                            # Triton reports a request's own failure in the stream, without a
-                            # code: the model refused this request (bad sampling, prompt too long).
-                            raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
-                        observer.responded()
-                        yield message.infer_response
-                    return
-                except grpc.aio.AioRpcError as e:
-                    error = e
-                finally:
-                    # Early close (the caller cancelled, or the final response was read):
-                    # cancelling the call makes Triton cancel the request in the engine.
-                    call.cancel()
-                    observer.upstream_finished()
-            other = None if retried or responded else self._pool.failover(model, upstream, error.code(), key=key)
-            if other is None:
-                raise upstream_error(self._pool, upstream, error) from error
-            upstream, retried = other, True
-
-
-class PoolEngineInfer:
-    """The embedding plane's engine: one ModelInfer per call."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self._pool = pool
+        """One generation request (a serialized ModelInferRequest) as a ModelStreamInfer
+        of its own; its responses. Closing the iterator early (the caller went away)
+        cancels it upstream, so Triton cancels the request in the engine."""
+        model = ""
+        reader = self.call(route, _STREAM_INFER_PATH, request, headers=headers, timeout_s=timeout_s)
+        try:
+            while (raw := await reader.next()) is not None:
+                message = service_pb2.ModelStreamInferResponse.FromString(raw)
+                if message.error_message:
+                    # Triton reports a request's own failure in the stream, without a
+                    # code: the model refused this request (bad sampling, prompt too long).
+                    model = model or message.infer_response.model_name
+                    raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
+                route.responded()
+                yield message.infer_response
+            if reader.status != OK:
+                raise upstream_error(reader)
+        finally:
+            self.finish(route, reader)
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float | None, observer: UpstreamObserver
+        self, route: Route, request: bytes, *, headers: Sequence[http2.Header] = (), timeout_s: float | None = None
     ) -> service_pb2.ModelInferResponse:
-        model, payload = request.model_name, request.SerializeToString()
-        upstream = self._pool.pick(model)
-        retried = False
-        while True:
-            with upstream.lease():
-                observer.upstream_started(upstream.name)
-                try:
-                    raw = await upstream.unary("ModelInfer")(
-                        payload, timeout=timeout_s, metadata=observer.upstream_headers()
-                    )
-                    observer.responded()
-                    return service_pb2.ModelInferResponse.FromString(raw)
-                except grpc.aio.AioRpcError as e:
-                    error = e
-                finally:
-                    observer.upstream_finished()
-            # Failover once at most: the retry's own failure is the answer.
-            other = None if retried else self._pool.failover(model, upstream, error.code(), key=None)
-            if other is None:
-                raise upstream_error(self._pool, upstream, error) from error
-            upstream, retried = other, True
+        """One ModelInfer (a serialized ModelInferRequest); its response."""
+        reader = self.call(route, _INFER_PATH, request, headers=headers, timeout_s=timeout_s)
+        try:
+            raw = await reader.next()
+            while await reader.next() is not None:  # a unary call answers one message
+                pass
+            if reader.status != OK:
+                raise upstream_error(reader)
+            if raw is None:
+                raise errors.Internal("Triton answered a ModelInfer without a response")
+            route.responded()
+            return service_pb2.ModelInferResponse.FromString(raw)
+        finally:
+            self.finish(route, reader)
 
 
-def upstream_error(pool: UpstreamPool, upstream: Upstream, error: grpc.aio.AioRpcError) -> errors.GatewayError:
-    """The domain error for a failed call to Triton; an UNAVAILABLE upstream is rechecked."""
-    if error.code() is grpc.StatusCode.UNAVAILABLE:
-        pool.recheck(upstream)
-    kind = _UPSTREAM_CODES.get(error.code())
+def upstream_error(reader: ClientReader) -> errors.GatewayError:
+    """The domain error for a call that Triton (or the way to it) failed."""
+    status = UNAVAILABLE if reader.status is None else reader.status
+    message = decode_message(http2.header(reader.trailers, b"grpc-message") or b"")
+    kind = _UPSTREAM_CODES.get(status)
     if kind is None:
-        return errors.Internal(f"Triton failed: {error.code().name}: {error.details()}")
-    return kind(f"Triton: {error.details()}")
+        return errors.Internal(f"Triton failed: {code_name(status)}: {message}")
+    return kind(f"Triton: {message}")

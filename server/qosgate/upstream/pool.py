@@ -1,11 +1,10 @@
 """A pool of Triton gRPC endpoints: liveness, per-model readiness, routing, failover.
 
-Calls of the gateway's own APIs go out as bytes: each upstream holds one grpc.aio channel
-and one bytes-in/bytes-out multicallable per KServe method, made once, so the hot path
-neither re-encodes messages nor builds stubs. The health checks go over the relay's
-HTTP/2 connections to the same upstream (relay/upstream.py): a check there costs a
-fraction of a grpc.aio call's CPU, and watching a grpc.aio channel's connectivity cost an
-idle gateway more than all its other work together.
+Every call of every API reaches Triton over each upstream's few persistent HTTP/2
+connections (`connections.ConnectionPool`): the relay's KServe calls as frames, the
+gateway's own calls (the planes', the health checks) message by message
+(upstream/exchange.py). One transport: the health measured is that of the connections the
+calls use.
 
 Health has Triton's own two levels. An upstream takes calls while it is *live* (ServerLive);
 which models it has *ready* (its RepositoryIndex) only steers a call for a model towards
@@ -28,136 +27,85 @@ and then at most half a second apart, so a restarted Triton is taken back within
 a second of listening.
 
 Which live upstream gets a call is each model's routing policy (upstream/routing.py: least
-loaded, or prefix affinity with bounded loads). A call that failed UNAVAILABLE before its
-first response (Triton gone, the connection dropped, the model not ready there) may go
-once more to another live upstream (`failover`); callers never retry after a response has
-reached them, so a client never sees a stream restart or a token twice.
+loaded, or prefix affinity with bounded loads), and a call's `Route` holds the one
+failover policy of every API: a call its upstream failed before the first response (an
+UNAVAILABLE status, a refused stream, a lost or missing connection: Triton gone, or the
+model not ready there) goes once more to another live upstream, by the same routing;
+never after a response has reached the caller, so a client never sees a stream restart or
+a token twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
-import grpc
 from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from qosgate.config import RoutingConfig, UpstreamConfig, UpstreamTlsConfig
 from qosgate.errors import Unavailable
-from qosgate.kserve.names import METHODS, SERVICE
+from qosgate.kserve.names import path
 from qosgate.metrics import GatewayMetrics
-from qosgate.upstream.connections import ConnectionPool
 from qosgate.scheduler.window import EngineLoad
-from qosgate.tls import channel_credentials
+from qosgate.tls import client_context
+from qosgate.transport.peer import Flusher
+from qosgate.upstream.connections import ConnectionPool
 from qosgate.upstream.routing import Candidate, HashRing, Outcome, PrefixAffinity, least_loaded, routing_key
 
 log = logging.getLogger(__name__)
 
 _SERVER_LIVE = service_pb2.ServerLiveRequest().SerializeToString()
 _READY_MODELS = service_pb2.RepositoryIndexRequest(ready=True).SerializeToString()
-_SERVER_LIVE_PATH = f"/{SERVICE}/ServerLive".encode()
-_REPOSITORY_INDEX_PATH = f"/{SERVICE}/RepositoryIndex".encode()
-_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_SERVER_LIVE_PATH = path("ServerLive")
+_REPOSITORY_INDEX_PATH = path("RepositoryIndex")
+_DEADLINE_EXCEEDED = 4
 
 # Checks in a row that got no answer in time before a live upstream counts as down.
 SLOW_PROBES_BEFORE_DOWN = 3
 
-# The gateway appends a few small parameters (priority, timeout, id) to each request.
-FRAGMENT_ALLOWANCE_BYTES = 64 * 1024
-# Message sizes are set per pool from the gateway's limits (`UpstreamPool`).
-_CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 30_000),
-    # gRPC's default reconnect backoff grows from 1 s to 120 s, so a Triton restarted after
-    # a few failed attempts was reached 5-19 s after it listened again. Retry at most a
-    # second apart: one connection attempt a second to a down upstream costs nothing.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    # Despite its name this is the minimum time a connection attempt is given (default
-    # 20 s): long enough for a TLS handshake far away, short enough that an attempt lost
-    # to a vanished host does not hold the next one back for long.
-    ("grpc.min_reconnect_backoff_ms", 5_000),
-    # Triton's error messages quote the request (a 70 KB version string comes back in the
-    # status trailer); gRPC's 16 KiB cap would turn that into RESOURCE_EXHAUSTED here.
-    # The edge cuts the message before passing it on.
-    ("grpc.max_metadata_size", 4 << 20),
-    ("grpc.absolute_max_metadata_size", 4 << 20),
-)
-
 HealthListener = Callable[[bool], Coroutine[Any, Any, None]]
 
 
-def open_channel(
-    url: str, tls: UpstreamTlsConfig | None, message_options: Sequence[tuple[str, int]] = ()
-) -> grpc.aio.Channel:
-    """The channel to one Triton endpoint; the one place upstream channels are made."""
-    options = (*_CHANNEL_OPTIONS, *message_options)
-    if tls is None:
-        return grpc.aio.insecure_channel(url, options=options)
-    return grpc.aio.secure_channel(url, channel_credentials(tls), options=options)
-
-
 class Upstream:
-    """One Triton endpoint: its channel, per-method callables, health and load."""
+    """One Triton endpoint: its HTTP/2 connections, health and load."""
 
     __slots__ = (
         "name",
         "url",
         "tls",
-        "channel",
+        "connections",
         "in_flight",
         "live",
         "ready_models",
         "engine_waiting",
-        "_unary",
-        "_stream",
         "_probes_started",
         "_probe_applied",
         "slow_probes",
-        "_message_options",
     )
 
-    def __init__(self, config: UpstreamConfig, message_options: Sequence[tuple[str, int]] = ()) -> None:
+    def __init__(self, config: UpstreamConfig) -> None:
         self.name = config.name
         self.url = config.url
-        self.tls = config.tls
+        self.tls: UpstreamTlsConfig | None = config.tls
+        # Opened by UpstreamPool.start, inside the event loop that uses them.
+        self.connections: ConnectionPool | None = None
         self.in_flight = 0
         self.live = False
         # None: not known (the index could not be read), so any model may be ready here.
         self.ready_models: frozenset[str] | None = frozenset()
         # Requests of each model waiting in this upstream's engine, from its metrics_url.
         self.engine_waiting: dict[str, float] = {}
-        self.channel: grpc.aio.Channel | None = None
-        self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
-        self._stream: grpc.aio.StreamStreamMultiCallable | None = None
         # Checks overlap (poll, recheck, reconnect): an older one's answer must not land
         # after a newer one's.
         self._probes_started = 0
         self._probe_applied = 0
         # Checks in a row that got no answer within the check timeout.
         self.slow_probes = 0
-        self._message_options = tuple(message_options)
-
-    def open(self) -> None:
-        """Create the channel; inside the event loop that will use it (grpc.aio binds to it)."""
-        channel = self.channel = open_channel(self.url, self.tls, self._message_options)
-        # No serializers: bytes go out and come back as they are on the wire.
-        self._unary = {
-            m: channel.unary_unary(f"/{SERVICE}/{m}") for m in METHODS if m != "ModelStreamInfer"
-        }
-        self._stream = channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")
-
-    def unary(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
-        return self._unary[method]
-
-    def stream(self) -> grpc.aio.StreamStreamMultiCallable:
-        assert self._stream is not None, "upstream not opened"
-        return self._stream
 
     def probe_started(self) -> int:
         """Number a new health probe of this upstream."""
@@ -175,14 +123,90 @@ class Upstream:
         """`model` was ready here at the last check, or this upstream's index is unknown."""
         return self.ready_models is None or model in self.ready_models
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Upstream]:
-        """Count a call against this upstream for as long as the block runs."""
-        self.in_flight += 1
-        try:
-            yield self
-        finally:
-            self.in_flight -= 1
+
+class UpstreamObserver(Protocol):
+    """What a call's route reports of its attempts at upstreams (the data plane's
+    `CallScope` records them: upstream latency, the upstream span)."""
+
+    def upstream_started(self, upstream: str) -> None:
+        """An attempt at `upstream` begins (a failover starts a second one)."""
+
+    def responded(self) -> None:
+        """A response came from the upstream (every one; the first is what counts)."""
+
+    def upstream_finished(self) -> None:
+        """The current attempt ended (last response, failure or cancel)."""
+
+
+class Route:
+    """Where one call goes: the upstream its model's routing chose, counted in that
+    upstream's load and reported to the call's observer for each attempt, and the one
+    failover policy of every API (see the module): `failover` is asked once the current
+    upstream failed the call before its first response, and answers another live
+    upstream once, never twice. `done` ends the last attempt."""
+
+    __slots__ = ("_pool", "upstream", "_model", "key", "_retried", "_observer", "_done")
+
+    def __init__(
+        self, pool: UpstreamPool, upstream: Upstream, model: str | None, key: bytes | None, observer: UpstreamObserver | None
+    ) -> None:
+        self._pool = pool
+        self.upstream = upstream
+        self._model = model
+        self.key = key  # what the model's routing chose by (prefix affinity), if anything
+        self._retried = False
+        self._done = False
+        self._observer = observer
+        upstream.in_flight += 1
+        if observer is not None:
+            observer.upstream_started(upstream.name)
+
+    @property
+    def can_fail_over(self) -> bool:
+        """Whether the pool has another upstream to fail over to at all."""
+        return len(self._pool.upstreams) > 1
+
+    def recheck(self) -> None:
+        """Check the current upstream now (it failed the call UNAVAILABLE: it may be gone)."""
+        self._pool.recheck(self.upstream)
+
+    @property
+    def connections(self) -> ConnectionPool:
+        """The current upstream's connections (opened by UpstreamPool.start)."""
+        connections = self.upstream.connections
+        assert connections is not None, "upstream pool not started"
+        return connections
+
+    def failover(self) -> ConnectionPool | None:
+        """Another live upstream's connections for the call, once (counted, and the failed
+        upstream checked at once); None when there is none or the call failed over already."""
+        if self._retried or self._done:
+            return None
+        self._retried = True
+        other = self._pool.failover(self._model, self.upstream, key=self.key)
+        if other is None:
+            return None
+        self.done()
+        self._done = False
+        other.in_flight += 1
+        self.upstream = other
+        if self._observer is not None:
+            self._observer.upstream_started(other.name)
+        return other.connections
+
+    def responded(self) -> None:
+        """A response came back (before `done`: the first names the model in metrics)."""
+        if self._observer is not None:
+            self._observer.responded()
+
+    def done(self) -> None:
+        """The call is over at its upstream (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        self.upstream.in_flight -= 1
+        if self._observer is not None:
+            self._observer.upstream_finished()
 
 
 class UpstreamPool:
@@ -195,22 +219,14 @@ class UpstreamPool:
         *,
         check_interval_s: float = 1.0,
         check_timeout_s: float = 1.0,
-        max_request_bytes: int = (1 << 31) - 1 - FRAGMENT_ALLOWANCE_BYTES,
-        max_response_bytes: int = (1 << 31) - 1,
         routing: Callable[[str], RoutingConfig] = lambda _model: RoutingConfig(),
         metrics: GatewayMetrics | None = None,
     ) -> None:
-        """`max_request_bytes`/`max_response_bytes`: the gateway's own message limits, so
-        that what it accepts from a caller Triton is sent whole, and what Triton answers
-        is taken only as large as the gateway may pass on. `routing`: each model's policy;
-        `metrics`: where routing choices and failovers are counted."""
+        """`routing`: each model's policy; `metrics`: where routing choices and failovers
+        are counted."""
         if not configs:
             raise ValueError("at least one upstream is required")
-        sizes = (
-            ("grpc.max_send_message_length", max_request_bytes + FRAGMENT_ALLOWANCE_BYTES),
-            ("grpc.max_receive_message_length", max_response_bytes),
-        )
-        self.upstreams = tuple(Upstream(c, sizes) for c in configs)
+        self.upstreams = tuple(Upstream(c) for c in configs)
         self._by_name = {u.name: u for u in self.upstreams}
         self._ring = HashRing([u.name for u in self.upstreams])
         self._routing = routing
@@ -222,8 +238,6 @@ class UpstreamPool:
         # The loop keeps only weak references to tasks: these hold them until they end.
         self._background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        # The relay's connections to each upstream, which the checks go over (`start`).
-        self._connections: Mapping[str, ConnectionPool] = {}
         self._live = False
 
     @property
@@ -275,23 +289,24 @@ class UpstreamPool:
         """The affinity key of a call of `model` under its routing policy (None: none)."""
         return routing_key(self._routing(model), prompt, session)
 
-    def failover(self, model: str, failed: Upstream, code: grpc.StatusCode, *, key: bytes | None) -> Upstream | None:
-        """Where to retry a call that `failed` ended with `code` before any response: another
-        live upstream if the code is UNAVAILABLE (Triton down, the connection lost, or the
-        model not ready there) and there is one; None otherwise. Counted either way.
+    def route(self, model: str | None, *, key: bytes | None = None, observer: UpstreamObserver | None = None) -> Route:
+        """A call's route: the upstream `pick` chooses (Unavailable if none is live), and
+        its one failover (see `Route`)."""
+        return Route(self, self.pick(model, key=key), model, key, observer)
 
-        Callers retry once at most: the retry's own failure is the caller's answer.
-        """
-        if code is not grpc.StatusCode.UNAVAILABLE:
-            return None
+    def failover(self, model: str | None, failed: Upstream, *, key: bytes | None) -> Upstream | None:
+        """Another live upstream for a call that `failed` failed before its first response
+        (Triton down, the connection lost, or the model not ready there), by the model's
+        routing; None when there is none. Counted either way, and `failed` checked now."""
         self.recheck(failed)
+        label = model or ""
         try:
             other = self.pick(model, key=key, exclude=failed)
         except Unavailable:
-            self._metrics.failover(model, failed.name, "no_other_upstream")
+            self._metrics.failover(label, failed.name, "no_other_upstream")
             return None
-        self._metrics.failover(model, failed.name, "retried")
-        log.info("upstream %s failed a %s call before responding: retrying on %s", failed.name, model, other.name)
+        self._metrics.failover(label, failed.name, "retried")
+        log.info("upstream %s failed a %s call before responding: retrying on %s", failed.name, label or "gateway", other.name)
         return other
 
     def engine_load(self, upstream: str, model: str, load: EngineLoad) -> None:
@@ -310,14 +325,16 @@ class UpstreamPool:
         or its model repository changed (a load or unload went through the gateway)."""
         self._spawn(self._check(upstream), f"upstream-recheck {upstream.name}")
 
-    async def start(self, connections: Mapping[str, ConnectionPool]) -> None:
-        """Check every upstream once over `connections` (the relay's, by upstream name; so
-        the gateway starts with a known state), then poll, and check an upstream again
-        whenever one of its connections opens or is lost."""
-        self._connections = connections
+    async def start(self, flusher: Flusher, *, connections: int = 2) -> None:
+        """Open `connections` HTTP/2 connections to each upstream (writing through
+        `flusher`, the relay's), check every upstream once over them (so the gateway
+        starts with a known state), then poll, and check an upstream again whenever one of
+        its connections opens or is lost."""
         for upstream in self.upstreams:
-            upstream.open()
-            connections[upstream.name].watch(functools.partial(self.recheck, upstream))
+            tls = client_context(upstream.tls) if upstream.tls is not None else None
+            pool = upstream.connections = ConnectionPool(flusher, upstream.url, size=connections, tls=tls)
+            await pool.start()
+            pool.watch(functools.partial(self.recheck, upstream))
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._poll(), name="upstream-health"))
 
@@ -327,7 +344,9 @@ class UpstreamPool:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        await asyncio.gather(*(u.channel.close() for u in self.upstreams if u.channel is not None))
+        for upstream in self.upstreams:
+            if upstream.connections is not None:
+                await upstream.connections.stop()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(u) for u in self.upstreams))
@@ -361,7 +380,9 @@ class UpstreamPool:
 
     async def _probe(self, upstream: Upstream) -> tuple[bool, frozenset[str] | None] | None:
         """(live, ready models) as `upstream` answers them; None if it did not answer in time."""
-        connections = self._connections[upstream.name]
+        connections = upstream.connections
+        if connections is None:
+            return False, frozenset()
         status, raw = await connections.unary(_SERVER_LIVE_PATH, _SERVER_LIVE, self._check_timeout_s)
         if status == _DEADLINE_EXCEEDED:
             return None

@@ -36,14 +36,16 @@ class ScriptedExecutor:
         self.delay_s = delay_s
         self.hold = hold
         self.calls: list[tuple[bytes, str]] = []
+        self.timeouts: list[float] = []  # what was left of the job's completion window
         self.cancelled = 0
         self.in_flight = 0
         self.max_in_flight = 0
         # How many more times the payloads "flaky" and "quota" are refused.
         self.refusals_left = {b"flaky": 2, b"quota": 2}
 
-    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str) -> bytes:
+    async def execute(self, tenant: Tenant, kind: ItemKind, payload: bytes, klass: str, timeout_s: float) -> bytes:
         self.calls.append((payload, klass))
+        self.timeouts.append(timeout_s)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -149,6 +151,27 @@ async def test_items_run_at_batch_class_within_the_in_flight_bound(tmp_path: Pat
     results = await store.results("a", job_id, offset=0, limit=100)
     assert sorted(r.custom_id for r in results) == sorted(f"id{n}" for n in range(20))
     assert {r.payload for r in results} == {f"P{n}".encode() for n in range(20)}
+
+
+async def test_items_have_what_is_left_of_their_jobs_completion_window(tmp_path: Path) -> None:
+    executor = ScriptedExecutor()
+    store, runner = make(tmp_path, executor, completion_window_s=3600.0)
+    job_id = await submit(store, [b"p0", b"p1"])
+    async with running(runner):
+        await until_finished(store, job_id)
+    assert all(3500 < left <= 3600 for left in executor.timeouts), executor.timeouts
+
+
+async def test_an_item_past_its_jobs_completion_window_fails_for_good_unrun(tmp_path: Path) -> None:
+    executor = ScriptedExecutor()
+    store, runner = make(tmp_path, executor, completion_window_s=1e-6)
+    job_id = await submit(store, [b"p0"])
+    async with running(runner):
+        job = await until_finished(store, job_id)
+    assert job.counts.failed == 1 and executor.calls == []
+    (result,) = await store.results("a", job_id, offset=0, limit=10)
+    assert result.error is not None and result.error.kind == "DeadlineExceeded"
+    assert "completion window" in result.error.message and result.attempts == 1
 
 
 async def test_tenants_take_turns_whatever_their_jobs(tmp_path: Path) -> None:

@@ -1,12 +1,13 @@
-"""The one way every gateway RPC is served: identify the caller, parse, call, answer errors.
+"""How the gateway's gRPC server serves its RPCs (the admin and batch services: what is
+not on the data path): identify the caller (the one edge), parse, call, answer errors.
 
 Methods are registered bytes in: the request is parsed here, AFTER the caller is
 identified. So a caller without a valid key gets UNAUTHENTICATED whatever bytes it sends,
 and bytes that do not parse are INVALID_ARGUMENT, where grpc's own deserializer would
 answer UNKNOWN before authentication and log a traceback per call (a log flood anyone
 could cause). Whatever a servicer raises goes through the one error table
-(`services.status`): refusals with their code and message, anything else INTERNAL with an
-incident number.
+(`error_table`, as `services.status` hands it to grpcio): refusals with their code and
+message, anything else INTERNAL with an incident number.
 
 A servicer method takes `(tenant, request, context)`: the request parsed (or, for a
 client stream, an async iterator of parsed requests; or the bytes as they came when the
@@ -26,9 +27,9 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from qosgate import errors
-from qosgate.error_table import row_of
-from qosgate.auth import Tenant, TenantDirectory
-from qosgate.metrics import GatewayMetrics
+from qosgate.auth import ConnectionCredentials, Tenant
+from qosgate.dataplane.call import Call
+from qosgate.edge import Edge
 from qosgate.services import status
 from qosgate.tls import certificate_from_metadata
 
@@ -44,6 +45,7 @@ class Method:
     server_streaming: bool = False
     parse: Parse | None = None
     serialize: Callable[[Any], bytes] | None = None
+    name: str = ""  # the RPC's method name (the `rpc` label of a refusal)
 
 
 def parser(message_type: type[Message]) -> Parse:
@@ -67,22 +69,24 @@ def servicer_methods(service: ServiceDescriptor, servicer: object) -> dict[str, 
         call = getattr(servicer, method.name, None)
         if call is None:
             raise RuntimeError(f"{type(servicer).__name__} does not implement {method.full_name}")
+        if method.client_streaming and method.server_streaming:  # the data path's shape: the relay's
+            raise RuntimeError(f"{method.full_name}: bidirectional streams are not served here")
         methods[method.name] = Method(
             call=call,
             client_streaming=method.client_streaming,
             server_streaming=method.server_streaming,
             parse=parser(message_factory.GetMessageClass(method.input_type)),
             serialize=message_factory.GetMessageClass(method.output_type).SerializeToString,
+            name=method.name,
         )
     return methods
 
 
-class Edge:
+class Handlers:
     """Turns Methods into gRPC handlers that identify the caller first (see the module)."""
 
-    def __init__(self, directory: TenantDirectory, metrics: GatewayMetrics) -> None:
-        self._directory = directory
-        self._metrics = metrics
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
 
     def handler(self, service: str, methods: Mapping[str, Method]) -> grpc.GenericRpcHandler:
         """A generic handler serving `methods` of the fully qualified `service`."""
@@ -91,10 +95,6 @@ class Edge:
 
     def _rpc_handler(self, method: Method) -> grpc.RpcMethodHandler:
         serializer = method.serialize
-        if method.client_streaming and method.server_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                self._stream_stream(method), response_serializer=serializer
-            )
         if method.client_streaming:
             return grpc.stream_unary_rpc_method_handler(
                 self._stream_unary(method), response_serializer=serializer
@@ -107,30 +107,32 @@ class Edge:
             self._unary_unary(method), response_serializer=serializer
         )
 
-    def _identify(self, context: grpc.aio.ServicerContext) -> Tenant:
+    def _call(self, method: Method, context: grpc.aio.ServicerContext) -> Call:
+        """The call as the edge takes it: its metadata as sent, and the caller's verified
+        certificate, which the relay (the only way to this server: it terminated TLS)
+        passed on in headers (qosgate.tls)."""
         metadata = context.invocation_metadata() or ()
-        try:
-            # This server is reached only through the relay, which terminated any TLS and
-            # passed the caller's verified certificate on in headers (qosgate.tls).
-            return self._directory.identify(metadata, certificate_from_metadata(metadata))
-        except errors.GatewayError as e:
-            self._metrics.rejected(row_of(e).reason, "", "")
-            raise
+        headers = [(key.encode("latin-1"), value.encode("latin-1")) for key, value in metadata if isinstance(value, str)]
+        return Call(method.name, headers, ConnectionCredentials(certificate_from_metadata(metadata)))
 
-    def _parse(self, method: Method, tenant: Tenant, raw: bytes) -> Any:
+    def _identify(self, method: Method, context: grpc.aio.ServicerContext) -> tuple[Call, Tenant]:
+        call = self._call(method, context)
+        return call, self._edge.identify(call)
+
+    def _parse(self, method: Method, call: Call, raw: bytes) -> Any:
         if method.parse is None:
             return raw
         try:
             return method.parse(raw)
         except errors.GatewayError as e:
-            self._metrics.rejected(row_of(e).reason, tenant.name, "")
+            self._edge.refused(call, e)
             raise
 
     def _unary_unary(self, method: Method) -> Callable[..., Any]:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
-                tenant = self._identify(context)
-                return await method.call(tenant, self._parse(method, tenant, raw), context)
+                call, tenant = self._identify(method, context)
+                return await method.call(tenant, self._parse(method, call, raw), context)
             except Exception as e:
                 raw = b""  # see `_answer`: this frame outlives the call
                 await _answer(context, e)
@@ -140,8 +142,8 @@ class Edge:
     def _unary_stream(self, method: Method) -> Callable[..., Any]:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                tenant = self._identify(context)
-                async for reply in method.call(tenant, self._parse(method, tenant, raw), context):
+                call, tenant = self._identify(method, context)
+                async for reply in method.call(tenant, self._parse(method, call, raw), context):
                     yield reply
             except Exception as e:
                 raw = b""  # see `_answer`: this frame outlives the call
@@ -152,32 +154,20 @@ class Edge:
     def _stream_unary(self, method: Method) -> Callable[..., Any]:
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             try:
-                tenant = self._identify(context)
-                return await method.call(tenant, self._parsed(method, tenant, requests), context)
+                call, tenant = self._identify(method, context)
+                return await method.call(tenant, self._parsed(method, call, requests), context)
             except Exception as e:
                 await _answer(context, e)
 
         return handle
 
-    def _stream_stream(self, method: Method) -> Callable[..., Any]:
-        # The servicer answers each request's failure in the stream itself (KServe's way);
-        # only a failure of the whole call (identification included) ends it here.
-        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-            try:
-                tenant = self._identify(context)
-                await method.call(tenant, self._parsed(method, tenant, requests), context)
-            except Exception as e:
-                await _answer(context, e)
-
-        return handle
-
-    def _parsed(self, method: Method, tenant: Tenant, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    def _parsed(self, method: Method, call: Call, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
         if method.parse is None:
             return requests
 
         async def parsed() -> AsyncIterator[Any]:
             async for raw in requests:
-                yield self._parse(method, tenant, raw)
+                yield self._parse(method, call, raw)
 
         return parsed()
 
