@@ -19,9 +19,10 @@ ModelInfer and ModelStreamInfer are the relay's own paths (infer_policy.py, stre
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import message_factory
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
@@ -105,7 +106,7 @@ class KServeRpcs:
             request_type = _REQUEST_TYPES[method]
             try:
                 request = request_type.FromString(raw)
-                wire.check_text(raw, request_type.DESCRIPTOR, self._max_fields)
+                wire.check_text(raw, cast(Descriptor, request_type.DESCRIPTOR), self._max_fields)
             except (DecodeError, wire.WireError) as e:
                 raise errors.InvalidArgument(f"malformed {request_type.DESCRIPTOR.full_name}: {e}") from None
             check(tenant, request)
