@@ -62,9 +62,16 @@ def test_least_loaded_wins() -> None:
     for upstream in pool.upstreams:
         upstream.live = True
     a, b, _ = pool.upstreams
-    with a.lease(), a.lease(), b.lease():
-        assert {pool.pick().name for _ in range(6)} == {"c"}
-    assert a.in_flight == b.in_flight == 0
+    # A route counts its call at its upstream until done.
+    routes = [pool.route(None) for _ in range(3)]
+    assert [route.upstream.name for route in routes] == ["a", "b", "c"]
+    routes[2].done()
+    routes[2].done()  # once only
+    a.in_flight += 1  # a has two now, b one
+    assert {pool.pick().name for _ in range(6)} == {"c"}
+    for route in routes[:2]:
+        route.done()
+    assert (a.in_flight, b.in_flight) == (1, 0)
 
 
 def test_an_upstream_with_the_model_ready_wins_over_a_less_loaded_one() -> None:
@@ -75,10 +82,10 @@ def test_an_upstream_with_the_model_ready_wins_over_a_less_loaded_one() -> None:
     a.ready_models = frozenset({"m", "n"})
     b.ready_models = frozenset({"n"})  # m is loading or unloaded there
     c.ready_models = frozenset({"m"})
-    with a.lease(), a.lease(), c.lease():
-        assert {pool.pick("m").name for _ in range(6)} == {"c"}
-        assert {pool.pick("n").name for _ in range(6)} == {"b"}
-        assert {pool.pick().name for _ in range(6)} == {"b"}  # no model: load alone
+    a.in_flight, c.in_flight = 2, 1  # calls of any model at each
+    assert {pool.pick("m").name for _ in range(6)} == {"c"}
+    assert {pool.pick("n").name for _ in range(6)} == {"b"}
+    assert {pool.pick().name for _ in range(6)} == {"b"}  # no model: load alone
 
 
 def test_an_unknown_index_counts_as_ready() -> None:
@@ -95,8 +102,8 @@ def test_a_model_ready_nowhere_still_goes_to_a_live_upstream_for_tritons_answer(
     a, b = pool.upstreams
     a.live = b.live = True
     a.ready_models = b.ready_models = frozenset({"other"})
-    with a.lease():
-        assert {pool.pick("unloaded").name for _ in range(4)} == {"b"}
+    a.in_flight = 1
+    assert {pool.pick("unloaded").name for _ in range(4)} == {"b"}
 
 
 def test_ready_models_are_those_of_live_upstreams() -> None:
