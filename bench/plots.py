@@ -43,4 +43,4 @@ def save(fig: Any, path: pathlib.Path) -> None:
 
 # One colour per target in every plot, so panels read together.
 COLORS = {"direct": "tab:blue", "nginx": "tab:orange", "relay alone": "tab:gray", "qosgate": "tab:green",
-          "qosgate HTTP": "tab:purple", "qosgate redis": "tab:red"}
+          "qosgate v1": "tab:olive", "qosgate HTTP": "tab:purple", "qosgate redis": "tab:red"}

@@ -1,7 +1,8 @@
 """llm: streaming generation on smollm2 at several concurrencies, straight at Triton and
-through qosgate (KServe ModelStreamInfer on both, so the client is the same), and through
-qosgate's OpenAI-compatible HTTP API (streamed /v1/completions): output tokens/s, time to
-first token and inter-token latency.
+through each of qosgate's ways in, side by side: KServe ModelStreamInfer (the same client
+as straight at Triton), qosgate.v1 GenerateStream, and the OpenAI-compatible HTTP API
+(streamed /v1/completions). Output tokens/s, time to first token and inter-token latency;
+at the top concurrency each way's tokens/s and TTFT p50 against direct's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
 from bench.stack import Stack, checked, gateway_available
 from bench.stats import percentile
+from qosgate.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,10 @@ MODEL = "smollm2"
 MAX_TOKENS = 32
 API_KEY = "bench-llm-key"
 PROMPT = "Explain what a load balancer does, in detail."
+KSERVE = "qosgate"
+V1 = "qosgate v1"
 HTTP = "qosgate HTTP"
+WAYS = (KSERVE, V1, HTTP)
 TENANTS = [{"name": "llm", "api_keys": [{"key": API_KEY}]}]
 
 
@@ -77,6 +82,16 @@ async def measure(url: str, name: str, caller: load.Caller, concurrency: int, se
     return await _closed_loop(target, lambda: target.stream(caller, request, 120.0), name, concurrency, seconds)
 
 
+async def measure_v1(url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
+    """The same load through qosgate.v1 GenerateStream (greedy; no ignore_eos there
+    either: see measure_http)."""
+    target = load.Target(url)
+    request = generation_pb2.GenerateStreamRequest(
+        model=MODEL, prompt=PROMPT, sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    )
+    return await _closed_loop(target, lambda: target.generate_stream(caller, request, 120.0), name, concurrency, seconds)
+
+
 async def measure_http(base_url: str, name: str, caller: load.Caller, concurrency: int, seconds: float) -> Point:
     """The same load through the OpenAI API. It has no ignore_eos: a stream may end before
     MAX_TOKENS, which the token counts show (this prompt runs long under greedy decoding)."""
@@ -101,15 +116,17 @@ def run(ctx: RunContext) -> ScenarioResult:
     seconds = ctx.pick(10.0, 30.0)
     notes = [f"{MAX_TOKENS}-token streams (ignore_eos, greedy), closed loop, {seconds:.0f} s per point; "
              "tokens/s counts tokens received inside the window; qosgate: smollm2 dispatch window 64.",
-             f"{HTTP}: the same prompt as streamed /v1/completions through the OpenAI API (no "
-             "ignore_eos there: a stream may end early, which its tokens/s would show)."]
+             f"{V1}: the same prompt as qosgate.v1 GenerateStream; {HTTP}: as streamed /v1/completions "
+             "through the OpenAI API (no ignore_eos in either: a stream may end early, which its "
+             "tokens/s would show)."]
     points: list[Point] = []
     found: profile.Profile | None = None
     with checked(Stack(models=[MODEL])) as stack:
         targets = [("direct", stack.triton_url, load.Caller("direct"))]
         if gateway_available():
             url = stack.start_gateway(tenants=TENANTS, models={MODEL: {"dispatch_window": 64}})
-            targets.append(("qosgate", url, load.Caller("qosgate", api_key=API_KEY)))
+            targets.append((KSERVE, url, load.Caller(KSERVE, api_key=API_KEY)))
+            targets.append((V1, url, load.Caller(V1, api_key=API_KEY)))
             targets.append((HTTP, stack.gateway_openai_url, load.Caller(HTTP, api_key=API_KEY)))
         else:
             notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
@@ -119,7 +136,7 @@ def run(ctx: RunContext) -> ScenarioResult:
         for concurrency, ordered in rounds:
             for name, url, caller in ordered:
                 stack.wait_idle(MODEL)
-                run_point = measure_http if name == HTTP else measure
+                run_point = {HTTP: measure_http, V1: measure_v1}.get(name, measure)
                 points.append(asyncio.run(run_point(url, name, caller, concurrency, seconds)))
         if stack.gateway is not None and profile.py_spy() is not None:
             found = profile_gateway(stack, targets[1][2], levels[-1], ctx.pick(8.0, 15.0))
@@ -127,26 +144,20 @@ def run(ctx: RunContext) -> ScenarioResult:
                          f"concurrency {levels[-1]}; raw stacks in llm-gateway.pyspy.txt.")
     top = levels[-1]
     direct = [p for p in points if p.target == "direct" and p.concurrency == top]
-    via = [p for p in points if p.target == "qosgate" and p.concurrency == top]
     direct_tps = statistics.fmean(p.tokens_per_s() for p in direct)
-    figures = [Figure(f"tokens/s through qosgate / direct, concurrency {top}", None, "%", Aim(">=", 97.0),
-                      reference=f"direct {direct_tps:.1f} tokens/s")]
-    if via:
-        via_tps = statistics.fmean(p.tokens_per_s() for p in via)
-        figures[0].value = 100 * via_tps / direct_tps
-        figures[0].reference += f", qosgate {via_tps:.1f} (mean of {len(via)} interleaved runs each)"
-        ttft = {name: percentile([t for p in runs for t in p.ttft_ms()], 50)
-                for name, runs in (("direct", direct), ("qosgate", via))}
-        figures.append(Figure(f"TTFT p50 through qosgate, concurrency {top}", ttft["qosgate"], "ms",
-                              reference=f"direct {ttft['direct']:.0f} ms"))
-    http = [p for p in points if p.target == HTTP and p.concurrency == top]
-    if http:
-        http_tps = statistics.fmean(p.tokens_per_s() for p in http)
-        figures.append(Figure(f"tokens/s through qosgate's OpenAI HTTP API / direct, concurrency {top}",
-                              100 * http_tps / direct_tps, "%",
-                              reference=f"HTTP {http_tps:.1f} tokens/s, direct {direct_tps:.1f}"))
-        figures.append(Figure(f"TTFT p50 through qosgate's OpenAI HTTP API, concurrency {top}",
-                              percentile([t for p in http for t in p.ttft_ms()], 50), "ms"))
+    direct_ttft = percentile([t for p in direct for t in p.ttft_ms()], 50)
+    figures: list[Figure] = []
+    for way in WAYS:
+        runs = [p for p in points if p.target == way and p.concurrency == top]
+        tps = statistics.fmean(p.tokens_per_s() for p in runs) if runs else None
+        ttft = percentile([t for p in runs for t in p.ttft_ms()], 50) if runs else None
+        figures.append(Figure(f"tokens/s through {way} / direct, concurrency {top}",
+                              None if tps is None else 100 * tps / direct_tps, "%", Aim(">=", 97.0),
+                              reference=f"direct {direct_tps:.1f} tokens/s" + (
+                                  "" if tps is None else f", {way} {tps:.1f} (mean of {len(runs)} interleaved runs each)")))
+        figures.append(Figure(f"TTFT p50 through {way} / direct, concurrency {top}",
+                              None if ttft is None else 100 * ttft / direct_ttft, "%", Aim("<=", 105.0),
+                              reference=f"direct {direct_ttft:.0f} ms" + ("" if ttft is None else f", {way} {ttft:.0f} ms")))
     tables: dict[str, list[dict[str, object]]] = {"streams": [p.row() for p in points]}
     if found is not None:
         tables.update(found.tables())
@@ -156,7 +167,7 @@ def run(ctx: RunContext) -> ScenarioResult:
 
 def draw(points: list[Point], path: pathlib.Path) -> None:
     fig, (tps, ttft, itl) = plots.panels(3)
-    for target in ("direct", "qosgate", HTTP):
+    for target in ("direct", *WAYS):
         firsts = {p.concurrency: p for p in reversed(points) if p.target == target}
         mine = [firsts[c] for c in sorted(firsts)]
         if not mine:
