@@ -63,7 +63,7 @@ class KeyedPolicy:
 
     def __call__(self, head: CallHead) -> Decision | asyncio.Future[Decision]:
         self.heads.append(head)
-        key = head.header(b"x-api-key")
+        key = http2.last_header(head.headers, b"x-api-key")
         if key == b"over-quota":
             return Refuse(RESOURCE_EXHAUSTED, "over quota", details=_quota_details())
         if key == b"tagged":

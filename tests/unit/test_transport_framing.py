@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from qosgate.relay.policy import CallHead
-from qosgate.transport import framing
+from qosgate.transport import framing, http2
 from qosgate.transport.status import (
     MAX_MESSAGE_BYTES,
     RESOURCE_EXHAUSTED,
@@ -143,13 +143,13 @@ def test_long_messages_are_cut_short_and_never_inside_an_escape() -> None:
     assert bounded_messages([(b"grpc-message", b"short")]) == [(b"grpc-message", b"short")]
 
 
-def test_call_head_reads_the_last_header_and_the_method() -> None:
+def test_the_last_header_of_a_repeated_key() -> None:
     head = CallHead(
         b"/inference.GRPCInferenceService/ModelInfer",
         [(b"x-api-key", b"one"), (b"x-api-key", b"two")],
         b"",
         None,
     )
-    assert head.header(b"x-api-key") == b"two"
-    assert head.header(b"authorization") is None
-    assert head.method == "ModelInfer"
+    assert http2.last_header(head.headers, b"x-api-key") == b"two"
+    assert http2.header(head.headers, b"x-api-key") == b"one"
+    assert http2.last_header(head.headers, b"authorization") is None

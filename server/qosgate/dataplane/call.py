@@ -18,6 +18,7 @@ from typing import Protocol
 from qosgate.auth import ConnectionCredentials, Tenant
 from qosgate.dataplane.plane import CallCost, CallScope
 from qosgate.scheduler import Dispatch
+from qosgate.transport.http2 import last_header
 from qosgate.upstream.pool import Route
 
 Header = tuple[bytes, bytes]
@@ -69,11 +70,7 @@ class Call:
 
     def header(self, name: bytes) -> bytes | None:
         """The last value of the header `name` (lower-case), as gRPC metadata merges them."""
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
+        return last_header(self.headers, name)
 
 
 @dataclass(slots=True, init=False)

@@ -50,19 +50,6 @@ class CallHead:
         self.timeout = timeout
         self.caller = ConnectionCredentials() if caller is None else caller
 
-    def header(self, name: bytes) -> bytes | None:
-        """The last value of a header (lower-case name), as gRPC metadata merges them."""
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
-
-    @property
-    def method(self) -> str:
-        """The RPC's method name (`/pkg.Service/Method` → `Method`)."""
-        return self.path.rsplit(b"/", 1)[-1].decode("ascii", "replace")
-
 
 @dataclass(slots=True, init=False)
 class CallEnd:

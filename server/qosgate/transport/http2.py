@@ -63,6 +63,7 @@ __all__ = [
     "TrailersReceived",
     "WindowUpdated",
     "header",
+    "last_header",
     "trimmed",
 ]
 
@@ -104,6 +105,16 @@ def trimmed(headers: Sequence[Header]) -> Sequence[Header]:
         if value.strip(_WHITESPACE) is not value:  # bytes.strip returns itself unchanged
             return [(name, value.strip(_WHITESPACE)) for name, value in headers]
     return headers
+
+
+def last_header(headers: Iterable[Header], name: bytes) -> bytes | None:
+    """The last value of the field `name` (lower-case) in `headers`, as gRPC metadata
+    merges a repeated key, or None."""
+    found = None
+    for key, value in headers:
+        if key == name:
+            found = value
+    return found
 
 
 def header(headers: Iterable[Header], name: bytes) -> bytes | None:
