@@ -323,11 +323,8 @@ class Call:
         pool = decision.failover()
         if pool is None:
             return False
-        old = self.up
-        if old is not None:
-            old.streams.pop(self.up_id, None)  # its later events are not this call's
-            old.h2.reset(self.up_id, _CANCEL)
-            old.touch()
+        if self.up is not None:
+            self.up.abandon(self.up_id)
         self.up = None
         self.pending = [replay]
         self.request.pushed = 0

@@ -76,6 +76,13 @@ class UpstreamConnection(Peer):
         self.touch()
         return stream_id
 
+    def abandon(self, stream_id: int) -> None:
+        """Give up a call's stream here (it goes to another upstream): cancelled, and its
+        later events are not the call's."""
+        self.streams.pop(stream_id, None)
+        self.h2.reset(stream_id, _CANCEL)
+        self.touch()
+
     @property
     def usable(self) -> bool:
         # After the server's GOAWAY, no new streams here.
@@ -218,11 +225,8 @@ class ClientStream:
         pool = failover() if failover is not None else None
         if pool is None:
             return False
-        old = self._conn
-        if old is not None:
-            old.streams.pop(self.stream_id, None)  # its later events are not this call's
-            old.h2.reset(self.stream_id, _CANCEL)
-            old.touch()
+        if self._conn is not None:
+            self._conn.abandon(self.stream_id)
         self._pool, self._conn, self._inbox = pool, None, None
         self._open()
         return True
