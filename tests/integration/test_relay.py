@@ -132,7 +132,7 @@ def test_unary_and_metadata_rpcs_as_through_triton(relay, policy, triton) -> Non
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), values)
     assert result.get_response().id == "r1"
     # The policy read the model name from the first message's bytes.
-    infer_heads = [h for h in policy.heads if h.method == "ModelInfer"]
+    infer_heads = [h for h in policy.heads if h.path.endswith(b"/ModelInfer")]
     assert wire.peek_request(infer_heads[-1].first_message, 4096).model_name == MODEL
     end = policy.ends[before]
     assert (end.status, end.reset_code, end.requests, end.responses) == (0, None, 1, 1)

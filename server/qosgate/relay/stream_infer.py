@@ -251,7 +251,7 @@ class _Session:
             # The caller is not reading: take no more responses from Triton, and let its
             # requests there give their slots back rather than hold the model's window.
             self.flowing.clear()
-            for request in self.in_flight:
+            for request in tuple(self.in_flight):  # a hold may end a request
                 request.hold()
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write())
@@ -265,7 +265,8 @@ class _Session:
                 self.queued -= len(response)
                 if not self.flowing.is_set() and self.queued < self.limits.stream_buffer_bytes:
                     self.flowing.set()
-                    for request in self.in_flight:
+                    # A request resumed may deliver what it kept, end, and leave in_flight.
+                    for request in tuple(self.in_flight):
                         request.release()
         except StreamError:
             pass  # the caller's stream ended: the session is being torn down
