@@ -122,8 +122,9 @@ def generation_request(model: str, prompt: str, max_tokens: int, priority: int =
         request.raw_input_contents.append(raw)
     # Ask Triton for an empty final response so the stream's end is explicit.
     request.parameters["triton_enable_empty_final_response"].bool_param = True
-    if priority:
+    if priority:  # Triton's priority, and the engine's, which our vLLM backend reads
         request.parameters["priority"].uint64_param = priority
+        request.parameters["vllm_priority"].int64_param = priority
     return request
 
 

@@ -84,6 +84,7 @@ def test_appended_priority_and_timeout_override_the_callers() -> None:
     expected = service_pb2.ModelInferRequest()
     expected.CopyFrom(original)
     expected.parameters["priority"].uint64_param = 2
+    expected.parameters["vllm_priority"].int64_param = 2
     expected.parameters["timeout"].int64_param = 1_500_000
     assert merged == expected
 
@@ -92,12 +93,14 @@ def test_appended_priority_and_timeout_override_the_callers() -> None:
 def test_priority_fragment_encodes_any_level(level: int) -> None:
     merged = service_pb2.ModelInferRequest.FromString(wire.priority_fragment(level))
     assert merged.parameters["priority"].uint64_param == level
+    assert merged.parameters["vllm_priority"].int64_param == level
 
 
 def test_the_dispatch_fragment_sets_priority_and_timeout_over_the_callers(peek) -> None:
-    raw = _request(priority=9, timeout=5).SerializeToString()
+    raw = _request(priority=9, timeout=5, vllm_priority=0).SerializeToString()
     merged = service_pb2.ModelInferRequest.FromString(raw + wire.dispatch_fragment(2, 1500))
     assert (merged.parameters["priority"].uint64_param, merged.parameters["timeout"].int64_param) == (2, 1500)
+    assert merged.parameters["vllm_priority"].int64_param == 2  # the caller's engine priority too
     untimed = service_pb2.ModelInferRequest.FromString(raw + wire.dispatch_fragment(1, None))
     assert untimed.parameters["priority"].uint64_param == 1
     assert untimed.parameters["timeout"].int64_param == 5  # the caller's, without a deadline of ours

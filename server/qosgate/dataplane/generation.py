@@ -30,16 +30,12 @@ from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.dataplane.call import Call, CallEdge, Header
 from qosgate.dataplane.plane import CallCost
 from qosgate.errors import Internal, InvalidArgument
+from qosgate.kserve.names import ENGINE_PRIORITY_PARAMETER
 from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
 from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.scheduler.cost import token_cost
 from qosgate.upstream.pool import Route
 from qosgate.usage import UsageRecord
-
-# The request parameter our vLLM backend reads as the engine priority (smaller runs
-# first); Triton's own `priority` does not reach Python models in Triton 2.51.
-ENGINE_PRIORITY_PARAMETER = "vllm_priority"
-
 
 @dataclass(frozen=True, slots=True)
 class GenerationCall:

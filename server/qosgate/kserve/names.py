@@ -15,6 +15,10 @@ PRIORITY_HEADER = "x-priority"
 # Triton closes a stream at its first error when the caller sends this header; the
 # gateway then does the same for its own refusals.
 GRPC_ERROR_HEADER = "triton_grpc_error"
+# The request parameter our vLLM backend reads as the engine priority (smaller runs first):
+# Triton's own `priority` does not reach Python models in Triton 2.51. The gateway stamps
+# it beside `priority`, with the class's level, on KServe and generation dispatches.
+ENGINE_PRIORITY_PARAMETER = "vllm_priority"
 
 
 def path(method: str) -> bytes:

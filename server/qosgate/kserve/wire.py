@@ -28,6 +28,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from qosgate.kserve.names import ENGINE_PRIORITY_PARAMETER
+
 # ModelInferRequest / ModelInferResponse
 _MODEL_NAME = 1
 _ID = 3
@@ -362,13 +364,18 @@ def _parameter(key: str, param_number: int, value: int) -> bytes:
 
 # Precomputed per level: the scheduler hands out a handful of levels, so the hot path
 # only concatenates bytes.
-_PRIORITY_FRAGMENTS = {level: _parameter("priority", _UINT64_PARAM, level) for level in range(16)}
+def _priority(level: int) -> bytes:
+    return _parameter("priority", _UINT64_PARAM, level) + _parameter(ENGINE_PRIORITY_PARAMETER, _INT64_PARAM, level)
+
+
+_PRIORITY_FRAGMENTS = {level: _priority(level) for level in range(16)}
 
 
 def priority_fragment(level: int) -> bytes:
-    """Sets Triton's request `priority` (uint64; 1 is the highest level, 0 the model default)."""
+    """Sets Triton's request `priority` (uint64; 1 is the highest level, 0 the model
+    default) and the same level as the engine priority our vLLM backend reads."""
     fragment = _PRIORITY_FRAGMENTS.get(level)
-    return fragment if fragment is not None else _parameter("priority", _UINT64_PARAM, level)
+    return fragment if fragment is not None else _priority(level)
 
 
 def timeout_fragment(timeout_us: int) -> bytes:
