@@ -8,8 +8,9 @@ key). ngh2 0.3.0 does not expose that option, so a caller's stray space was answ
 a stream reset (INTERNAL to the caller) instead of a status. This script builds ngh2 from
 its published source with the option exposed as
 `Configuration(leading_and_trailing_ws_validation=...)` (default True, as before) and
-installs it over the wheel pip put in the venv. `relay/http2.py` passes False, so an
-unpatched ngh2 fails at the first connection instead of resetting streams quietly.
+installs it over the wheel pip put in the venv. `transport/http2.py` passes False when the
+option is there; with PyPI's build the gateway warns at its start that such values reset
+the stream.
 
 `python scripts/build_ngh2.py [--wheel-dir DIR]`: the wheel is kept in DIR (default
 .cache/wheels) and reused while this script is unchanged; run by `make venv` and the

@@ -74,6 +74,7 @@ from qosgate.services.admin import AdminServicer
 from qosgate.services.batch import BatchService
 from qosgate.services.handlers import Handlers, servicer_methods
 from qosgate.tls import HTTP1_ALPN, server_context
+from qosgate.transport import http2
 from qosgate.upstream import UpstreamPool
 from qosgate.upstream.engine import Engine
 from qosgate.upstream.engine_load import EngineLoadReader
@@ -336,6 +337,10 @@ class Gateway:
         if not native.compiled():
             log.warning("the per-call modules run interpreted (about a quarter more CPU per call): "
                         "`make native` compiles them")
+        if not http2.TRIMS_PADDED_VALUES:
+            log.warning("ngh2 is PyPI's build: a header value with spaces around it (`authorization: "
+                        "Bearer ` with an empty key) resets the caller's stream instead of being trimmed; "
+                        "`python scripts/build_ngh2.py` in a checkout installs the build that trims it")
 
     def _open_relay(self) -> Relay:
         """The relay, not listening yet: the upstream pool's connections write through

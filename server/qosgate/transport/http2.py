@@ -24,12 +24,14 @@ relay's tests check through real peers:
 - A header value with leading or trailing whitespace is taken, not answered with a stream
   reset as RFC 9113 has libnghttp2 do by default: gRPC servers trim such a value, and
   clients send them (`authorization: Bearer ` with an empty key). ngh2 exposes that option
-  only in the build `scripts/build_ngh2.py` makes (`make venv` installs it); `trimmed`
-  trims the values of a caller's request.
+  only in the build `scripts/build_ngh2.py` makes (`make venv` installs it; with PyPI's
+  build such a value still resets the stream, see TRIMS_PADDED_VALUES); `trimmed` trims
+  the values of a caller's request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import ngh2
@@ -94,8 +96,10 @@ RESET_RATE = 10_000
 MAX_HEADER_LIST = 64 << 10
 MAX_UPSTREAM_HEADER_LIST = 4 << 20
 _WHITESPACE = b" \t"
-if "leading_and_trailing_ws_validation" not in ngh2.Configuration.__dataclass_fields__:
-    raise ImportError(f"ngh2 {ngh2.__version__} is not the build the relay needs: `make venv` makes it")
+# Whether this ngh2 is the build that takes a value with whitespace around it (see the top):
+# PyPI's ngh2 0.3.0 is not, and with it such a value resets the caller's stream (INTERNAL to
+# a gRPC caller) instead of being trimmed; the gateway serves and warns at its start.
+TRIMS_PADDED_VALUES = "leading_and_trailing_ws_validation" in ngh2.Configuration.__dataclass_fields__
 
 
 def trimmed(headers: Sequence[Header]) -> Sequence[Header]:
@@ -135,9 +139,10 @@ class Http2Connection:
         config = ngh2.Configuration(
             auto_window_update=False,
             stream_reset_rate_limit=(RESET_BURST, RESET_RATE),
-            leading_and_trailing_ws_validation=False,
             max_inbound_header_list_size=MAX_HEADER_LIST if server else MAX_UPSTREAM_HEADER_LIST,
         )
+        if TRIMS_PADDED_VALUES:
+            config = dataclasses.replace(config, leading_and_trailing_ws_validation=False)
         self._conn = ngh2.Connection(role, config)
         self._conn.initiate_connection(
             {
