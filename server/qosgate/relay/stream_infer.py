@@ -86,7 +86,10 @@ class StreamInferHandler:
             failed = e
         await opened.permit.release()
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:  # interpreted, the frame would hold its own exception: a cycle
+                failed = None
         return ended
 
 
@@ -160,7 +163,10 @@ class _Session:
             self._writer = None
         self._task = None  # its frames refer to this session
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:  # as in StreamInferHandler.__call__
+                failed = None
         return self.fatal if self.fatal is not None else OK_STATUS
 
     async def _take_requests(self) -> None:
