@@ -123,6 +123,16 @@ class GroupProcess:
         stop_group(self.proc)
 
 
+DEMO_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "config" / "demo.yaml"
+
+
+def demo_model_policies(models: Sequence[str], path: pathlib.Path = DEMO_CONFIG) -> dict[str, dict[str, Any]]:
+    """The per-model settings `path` ships for `models`, read when the bench runs so that
+    what it measures is what `make run` serves."""
+    shipped = yaml.safe_load(path.read_text())["models"]
+    return {name: dict(shipped[name]) for name in models}
+
+
 NGINX_CONF = """\
 worker_processes 1;
 pid {dir}/nginx.pid;

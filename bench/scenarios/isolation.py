@@ -32,14 +32,13 @@ import pathlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import yaml
 from tritonclient.grpc import service_pb2
 
 from bench import flood as flood_process
 from bench import load, plots, profile
 from bench.report import RESULTS_DIR, Aim, Figure, ScenarioResult
 from bench.scenarios import RunContext
-from bench.stack import Stack, checked, gateway_available
+from bench.stack import Stack, checked, demo_model_policies, gateway_available
 from bench.stats import percentile
 
 log = logging.getLogger(__name__)
@@ -65,16 +64,8 @@ REFUSALS_ELSEWHERE = "qosgate, refusal loops at a second gateway"
 LOADS = (0, 2, 4)  # flood as a multiple of measured capacity; 0 = unloaded
 TOP = LOADS[-1]
 CAPACITY_DEPTH = 64  # minilm batches up to 32
-DEMO_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "config" / "demo.yaml"
 # The critical class's latency objectives of the frontier phases (None: no objective).
 FRONTIER_OBJECTIVES: tuple[float | None, ...] = (None, 4.0, 2.0, 1.5)
-
-
-def demo_model_policies(models: Sequence[str], path: pathlib.Path = DEMO_CONFIG) -> dict[str, dict[str, Any]]:
-    """The per-model settings `path` ships for `models`, read when the bench runs so that
-    what it measures is what `make run` serves."""
-    shipped = yaml.safe_load(path.read_text())["models"]
-    return {name: dict(shipped[name]) for name in models}
 
 
 def objective_target(objective: float | None) -> str:

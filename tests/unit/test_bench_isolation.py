@@ -8,15 +8,8 @@ import pathlib
 import pytest
 
 from bench.load import Outcome
-from bench.scenarios.isolation import (
-    DEMO_CONFIG,
-    TOP,
-    Phase,
-    demo_model_policies,
-    figures,
-    frontier,
-    objective_target,
-)
+from bench.scenarios.isolation import TOP, Phase, figures, frontier, objective_target
+from bench.stack import DEMO_CONFIG, demo_model_policies
 from qosgate.config import load_config
 
 
