@@ -126,6 +126,20 @@ def test_a_window_below_the_seats_grows_to_them_and_no_further() -> None:
     assert [step(c, i, load=EngineLoad(waiting=0, kv_cache_usage=0.3, running=30)) for i in range(3)] == [36, 40, 40]
 
 
+def test_an_llm_engine_doubles_only_to_the_slow_start_bound_until_its_seats_show() -> None:
+    llm = EngineLoad(waiting=0, kv_cache_usage=0.3, running=20)
+    c = controller(window=8, maximum=256)
+    # Past LLM_SLOW_START (32) by an eighth: a first overshoot of its seats is small.
+    assert [step(c, i, load=llm) for i in range(6)] == [16, 32, 36, 40, 45, 50]
+    # A batcher (no running count) doubles on.
+    b = controller(window=8, maximum=256)
+    assert [step(b, i) for i in range(5)] == [16, 32, 64, 128, 256]
+    # Seats known (learnt before an idle restart): doubling up to them is safe.
+    k = controller(window=8, maximum=256)
+    k.seats, k.seats_at = 100, 0.0
+    assert [step(k, i, load=llm) for i in range(5)] == [16, 32, 64, 100, 100]
+
+
 def test_latency_alone_never_shrinks_the_window() -> None:
     # A batching engine gets slower per request as the window grows, long before it is
     # saturated: only the engine's own queue and KV cache say when it is.

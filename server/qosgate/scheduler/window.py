@@ -5,7 +5,8 @@ The window is what the model may have in flight at its engines; the rest waits i
 gateway, where classes and weights decide the order. Three bounds, each from its own fact:
 
 - Throughput: the window. While the classes ask for more than it holds, it grows
-  (doubling until the first shrink, then by an eighth) until the engine itself says it
+  (doubling until the first shrink, then by an eighth; an LLM engine's window doubles
+  only to LLM_SLOW_START until its seats are known) until the engine itself says it
   is saturated: requests waiting inside it for a second or more (vLLM's or TensorRT-LLM's
   waiting queue; for Triton's dynamic batcher its pending requests, past a batch being
   formed) or a nearly full KV cache. Then it shrinks by a fifth, or, for an LLM engine
@@ -76,6 +77,12 @@ IDLE_RESTART_S = 5.0
 # A window held at an LLM engine's seats, with no queue in the engine this long, tries a
 # little more.
 SEATS_PROBE_S = 5.0
+# An LLM engine (one that says how many it runs) keeps a request for a whole generation:
+# a doubling past its seats leaves up to a window of requests in its queue for that long,
+# dispatched when no tenant's part was binding (fair share orders only what waits in the
+# gateway). Until its seats are known, slow start doubles to here only, then grows by an
+# eighth, so the first overshoot is an eighth, not a window; known seats it doubles to.
+LLM_SLOW_START = 32
 # A class's fair cap is this far below its edge (the cap at which a competing tenant
 # would have nothing queued): a closed loop's turnaround leaves it a little queue.
 FAIR_MARGIN = 0.95
@@ -420,7 +427,10 @@ class WindowController:
             # (Not while the engine has a queue, however young: slow start doubles every
             # interval, and a second of waiting for saturation to show is a doubling too
             # many, a backlog in the engine that the classes above then wait behind.)
-            step = self.window if self.slow_start else max(1, self.window // GROWTH_DIVISOR)
+            doubling = self.slow_start and (
+                load is None or load.running is None or (seats if seats is not None else LLM_SLOW_START) > self.window
+            )
+            step = self.window if doubling else max(1, self.window // GROWTH_DIVISOR)
             grown = min(self.maximum, self.window + step)
             if seats is not None and grown > seats:
                 if self.window < seats:
