@@ -8,8 +8,8 @@ KServe RPCs and qosgate.v1's Generation and Embedding message by message), over 
 upstream pool's persistent connections to each Triton, the one transport to Triton; it
 hands what is not on the data path (qosgate.v1's Admin and Batch services, gRPC health
 reflecting upstream liveness, server reflection) to an in-process grpcio server on a
-private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it until SIGINT/SIGTERM; `up` runs it in front of a
-local tritonserver and stops both.
+private unix socket. Prometheus metrics and the OpenAI API listen apart. `serve` runs it
+until SIGINT/SIGTERM; `up` runs it in front of a local tritonserver and stops both.
 """
 
 from __future__ import annotations
