@@ -266,6 +266,16 @@ class LimitsConfig(_Frozen):
             raise _FieldProblem("burst", "burst requires requests_per_second")
         return self
 
+    def counted(self) -> bool:
+        """Whether a quota store counts this tenant's requests (a request rate, a
+        concurrency, a token rate or a daily budget): with a shared store, a round trip."""
+        return not (
+            self.requests_per_second is None
+            and self.max_concurrent is None
+            and self.tokens_per_minute is None
+            and self.daily_token_budget is None
+        )
+
     def effective_burst(self) -> int | None:
         if self.requests_per_second is None:
             return None

@@ -45,11 +45,11 @@ class Edge:
         self.upstreams = upstreams
         self.models = ModelFacts(config)
 
-    @property
-    def admits_in_process(self) -> bool:
-        """Whether admission decides without a network round trip (quotas in this
-        process), so a call may be decided in its front end's callback, without a task."""
-        return self.plane.admission.in_process
+    def admits_in_process(self, tenant: Tenant) -> bool:
+        """Whether admission decides `tenant`'s calls without a network round trip (quotas
+        in this process, or none to count), so a call may be decided in its front end's
+        callback, without a task."""
+        return self.plane.admission.in_process(tenant.limits)
 
     def identify(self, call: Call) -> Tenant:
         """Who makes `call` (its `tenant` once known): the tenant of its one key

@@ -201,6 +201,12 @@ async def test_unreachable_redis_fails_closed_or_open_and_logs_once_per_outage(
             with pytest.raises(Unavailable) as refused:
                 await closed.admit(acme)
             assert refused.value.retry_after_s == PROBE_INTERVAL_S
+        # A tenant with no limit has nothing in Redis to count: decided here, at once,
+        # without a round trip, whatever the store's on_error says.
+        unlimited = tenant()
+        assert not closed.in_process(acme.limits) and closed.in_process(unlimited.limits)
+        free = closed.admit_now(unlimited, cost_tokens=40)
+        assert isinstance(free, Admitted) and free.permit.release_now(50) is None
         admitted_blind = [await open_.admit(acme) for _ in range(5)]
         assert all(isinstance(v, Admitted) for v in admitted_blind)
         outages = [r for r in caplog.records if "unreachable" in r.getMessage()]

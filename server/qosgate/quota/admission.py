@@ -21,10 +21,10 @@ class Admission:
         # Quota state in this process is charged and freed without a coroutine (`admit_now`).
         self._local = store if isinstance(store, InMemoryQuotaStore) else None
 
-    @property
-    def in_process(self) -> bool:
-        """Admitting and releasing never wait (see QuotaStore.in_process)."""
-        return self._store.in_process
+    def in_process(self, limits: LimitsConfig) -> bool:
+        """Admitting and releasing a request of a tenant with `limits` never wait: the
+        quota state is in this process (see QuotaStore.in_process), or it counts nothing."""
+        return self._store.in_process or not limits.counted()
 
     async def admit(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict:
         """Admitted(permit) or Refused(retry_after_s, violations); a refusal charges nothing.
@@ -42,12 +42,13 @@ class Admission:
         return Admitted(Permit(cost_tokens, partial(self._release, tenant.name, limits, cost_tokens)))
 
     def admit_now(self, tenant: Tenant, *, cost_tokens: int = 0) -> Verdict | None:
-        """`admit` decided at once where the quota state is in this process (its permit
-        releases at once too); None where it is not: await `admit`."""
-        local = self._local
+        """`admit` decided at once where the quota state is in this process, or where the
+        tenant has no limit to count (its permit releases at once too); None where it
+        is not: await `admit`."""
+        local, limits = self._local, tenant.limits
         if local is None:
-            return None
-        limits = tenant.limits
+            # A shared store has nothing to count for a tenant without limits: no round trip.
+            return None if limits.counted() else Admitted(Permit(cost_tokens, None))
         refused = local.acquire_now(tenant.name, limits, self._clock.now(), cost_tokens)
         if refused is not None:
             return refused

@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from qosgate import errors
+from qosgate.auth import Tenant
 from qosgate.config import CostUnit
 from qosgate.dataplane.call import Call
 from qosgate.dataplane.plane import CallCost, CallScope
@@ -44,24 +45,24 @@ class InferAdmissionPolicy:
         self._closing: set[asyncio.Future[None]] = set()
 
     def __call__(self, head: CallHead) -> Decision | asyncio.Task[Decision]:
-        return self._start(self._decide(head))
-
-    def _start(self, coro: Coroutine[Any, Any, T]) -> T | asyncio.Task[T]:
-        """Run `coro` at once, its result without a task when it does not wait (the common
-        case: admission in process, a free slot); with a shared quota store (Redis, whose
-        client times out through the current task) always as a task."""
-        if self._edge.admits_in_process:
-            return run_eagerly(coro)
-        return asyncio.ensure_future(coro)
-
-    async def _decide(self, head: CallHead) -> Decision:
-        edge = self._edge
         call = call_of(INFER, head.headers, head.caller, head.timeout)
         try:
-            edge.identify(call)
+            tenant = self._edge.identify(call)
         except errors.GatewayError as e:  # counted by the edge
             self._heap.message(len(head.first_message))
             return refusal(e)
+        return self._start(self._decide(head, call), tenant)
+
+    def _start(self, coro: Coroutine[Any, Any, T], tenant: Tenant) -> T | asyncio.Task[T]:
+        """Run `coro` at once, its result without a task when it does not wait (the common
+        case: admission in process, a free slot); where `tenant`'s quotas are counted in a
+        shared store (Redis, whose client times out through the current task) as a task."""
+        if self._edge.admits_in_process(tenant):
+            return run_eagerly(coro)
+        return asyncio.ensure_future(coro)
+
+    async def _decide(self, head: CallHead, call: Call) -> Decision:
+        edge = self._edge
         scope: CallScope | None = None
         try:
             request = peek_infer_request(head.first_message, self._max_fields)

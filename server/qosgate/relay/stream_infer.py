@@ -300,7 +300,7 @@ class _Request:
         """Admit and send at once when nothing waits (a free slot, quotas in this process);
         else when admission is done."""
         edge = self.session.handler.edge
-        if edge.admits_in_process:
+        if edge.admits_in_process(self.scope.tenant):
             outcome = run_eagerly(self._admitted(call, cost))
             if not isinstance(outcome, asyncio.Task):
                 self._send(outcome)
