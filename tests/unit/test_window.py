@@ -159,6 +159,31 @@ def test_an_idle_model_starts_over() -> None:
     assert step(c, t) == 8  # slow start again
 
 
+def test_an_idle_llm_engine_starts_over_at_what_it_runs() -> None:
+    # Its requests stay a whole generation: a burst after a pause gets its seats at once,
+    # not a doubling per interval from the start.
+    idle = Pressure(limited=False, idle=True, tenants={}, share={})
+    llm = EngineLoad(waiting=0, kv_cache_usage=0.0, running=0)
+
+    def pause(c: WindowController, t: float) -> float:
+        end = t + IDLE_RESTART_S + 2 * INTERVAL_S
+        while t < end:
+            step(c, t, pressure=idle, load=llm)
+            t += INTERVAL_S
+        return t
+
+    c = controller(window=8, maximum=256)
+    assert step(c, 0, load=llm) == 16
+    t = pause(c, 1.0)
+    assert c.window == 32  # seats not known: the slow start's bound
+    c.seats = 20
+    pause(c, t)
+    assert c.window == 20
+    capped = controller(window=8, maximum=24)
+    pause(capped, 0.0)
+    assert capped.window == 24  # never past window_max
+
+
 def demand(name: str, weight: float, outstanding: float, occupancy: float | None = 0.1,
            served: float = 0.0) -> FairPart:
     return FairPart(name, weight, outstanding, occupancy, served)

@@ -47,7 +47,10 @@ ACTIVE_S. Its baseline is the lowest median of an interval's samples seen, let d
 very slowly so that one lucky reading, or a model that got slower for good, cannot pin it.
 
 Everything moves at most once per INTERVAL_S. After IDLE_RESTART_S with nothing queued or
-in flight the window starts over from where it started (the engine may have changed).
+in flight the window starts over (the engine may have changed): from where it started, or
+for an LLM engine from what it runs at once (its seats, or LLM_SLOW_START until they are
+known). An LLM engine keeps each request for a whole generation: a burst that meets a
+window doubling from its start waits a second or more for seats that are free.
 """
 
 from __future__ import annotations
@@ -411,7 +414,7 @@ class WindowController:
             if self.idle_since is None:
                 self.idle_since = now
             elif now - self.idle_since >= IDLE_RESTART_S:
-                self.window, self.slow_start = self._initial, True
+                self.window, self.slow_start = self._restart_window(), True
             return
         self.idle_since = None
         load = self.engine if now - self.engine_at <= ENGINE_STALE_S else None
@@ -442,6 +445,13 @@ class WindowController:
                 else:
                     grown = self.window
             self.window = grown
+
+    def _restart_window(self) -> int:
+        """Where the window starts over after an idle spell (see the module)."""
+        engine = self.engine
+        if engine is None or engine.running is None:
+            return self._initial
+        return min(self.maximum, max(self._initial, self.seats if self.seats is not None else LLM_SLOW_START))
 
     def _set_caps(self, now: float, pressure: Pressure) -> None:
         fair = {}
