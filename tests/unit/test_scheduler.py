@@ -742,3 +742,29 @@ def test_the_window_grows_for_what_a_capped_class_asks() -> None:
     # is what should tell it to stop growing, and the cap splits whatever it is.
     assert h.core.snapshot().in_flight == {MODEL: 4}
     assert h.core.pressure(MODEL, h.clock.now()).limited
+
+
+def test_occupancy_is_reported_per_ended_request_whatever_the_concurrency() -> None:
+    # `light` has one request in flight at a time, `heavy` four; each request of either
+    # stays 2 s per unit of cost. What the window's caps weigh them by must read alike,
+    # and a request still in flight counts nothing until it ends.
+    core = SchedulingCore(config(window=16))
+    light = [Waiter("light", 1.0, "standard", MODEL, None, 0.0, cost=3.0) for _ in range(3)]
+    heavy = [Waiter("heavy", 4.0, "standard", MODEL, None, 0.0, cost=1.0) for _ in range(12)]
+    now = 0.0
+    for i in range(3):
+        batch = [light[i], *heavy[4 * i:4 * i + 4]]
+        for w in batch:
+            core.submit(w, now)
+            assert w.state is WaiterState.DISPATCHED
+        for w in batch:
+            core.release(w, now + 2.0 * w.cost)
+        now += 6.0
+    straggler = Waiter("heavy", 4.0, "standard", MODEL, None, 0.0, cost=1.0)
+    core.submit(straggler, now)
+    core.submit(Waiter("light", 1.0, "standard", MODEL, None, 0.0, cost=3.0), now)
+    (reported_tenants,) = core.pressure(MODEL, now + 50.0).tenants.values()
+    reported = {t.name: t for t in reported_tenants}
+    assert reported["light"].ended_s / reported["light"].ended_cost == pytest.approx(2.0)
+    assert reported["heavy"].ended_s / reported["heavy"].ended_cost == pytest.approx(2.0)
+    assert reported["heavy"].ended_cost == 12.0 and reported["heavy"].charged == 13.0

@@ -242,8 +242,9 @@ def test_a_tenant_without_finished_requests_counts_as_typical() -> None:
 def report(tenants: dict[str, tuple[float, int]], t: float, per_weight: float = 1.0) -> list[TenantDemand]:
     """The core's report at time `t` of tenants (name -> weight, outstanding), served in
     proportion to their weights since 0 (`per_weight` units of cost per second per unit
-    of weight) at 0.1 request-seconds per unit of cost."""
-    return [TenantDemand(name, weight, n, busy_s=0.1 * per_weight * weight * t, charged=per_weight * weight * t)
+    of weight) at 0.1 seconds in flight per unit of cost."""
+    return [TenantDemand(name, weight, n, ended_s=0.1 * per_weight * weight * t, ended_cost=per_weight * weight * t,
+                         charged=per_weight * weight * t)
             for name, (weight, n) in tenants.items()]
 
 
@@ -288,8 +289,8 @@ def test_occupancy_is_request_seconds_per_unit_of_cost_over_recent_intervals() -
     # same service.
     def at(t: float) -> Pressure:
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("long", 1.0, 24, busy_s=0.4 * 100 * t, charged=100 * t),
-            TenantDemand("short", 1.0, 24, busy_s=0.2 * 100 * t, charged=100 * t)]})
+            TenantDemand("long", 1.0, 24, ended_s=0.4 * 100 * t, ended_cost=100 * t, charged=100 * t),
+            TenantDemand("short", 1.0, 24, ended_s=0.2 * 100 * t, ended_cost=100 * t, charged=100 * t)]})
 
     for i in range(4):
         c.decide(i * INTERVAL_S, at(i * INTERVAL_S))
@@ -307,8 +308,8 @@ def test_a_tenant_served_short_of_its_share_gets_a_larger_part_until_it_is_not()
         served["light"] += 100 * (1 - heavy_share)
         served["heavy"] += 100 * heavy_share
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("light", 1.0, 32, busy_s=i * 10.0, charged=served["light"]),
-            TenantDemand("heavy", 3.0, 32, busy_s=i * 30.0, charged=served["heavy"])]})
+            TenantDemand("light", 1.0, 32, ended_s=i * 10.0, ended_cost=served["light"], charged=served["light"]),
+            TenantDemand("heavy", 3.0, 32, ended_s=i * 30.0, ended_cost=served["heavy"], charged=served["heavy"])]})
 
     c.decide(0.0, at(0, 0.75))
     # Heavy gets 0.6 of the service where its weight says 0.75: 20% short. Its part grows
@@ -553,7 +554,8 @@ def test_when_who_competes_changes_the_shares_start_over() -> None:
             served[name] += rate
         weights = {"light": 1.0, "medium": 2.0, "heavy": 4.0}
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand(name, weights[name], 32, busy_s=i * 3.2, charged=served[name]) for name in rates]})
+            TenantDemand(name, weights[name], 32, ended_s=i * 3.2, ended_cost=served[name], charged=served[name])
+            for name in rates]})
 
     # Heavy away: light and medium share 1:2, each its share, the corrections at rest.
     for i in range(40):
@@ -572,7 +574,8 @@ def test_a_reload_that_changes_weights_starts_the_shares_over() -> None:
 
     def at(i: int, weights: dict[str, float], served: dict[str, float]) -> Pressure:
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand(name, weight, 32, busy_s=i * 3.2, charged=served[name] * i) for name, weight in weights.items()]})
+            TenantDemand(name, weight, 32, ended_s=i * 3.2, ended_cost=served[name] * i, charged=served[name] * i)
+            for name, weight in weights.items()]})
 
     # At 1:1, x served a third: its correction grows.
     for i in range(40):

@@ -87,6 +87,7 @@ class Waiter:
     # Tokens it holds at the engine while in flight, against `token_quota` (None: no cap).
     tokens: int
     token_quota: int | None
+    dispatched_at: float  # on the core's clock; meaningful once DISPATCHED
     state: WaiterState
     error: GatewayError | None
     # The async wrapper's handle on the waiting coroutine; the core never touches it.
@@ -115,6 +116,7 @@ class Waiter:
         self.cost = cost
         self.tokens = tokens
         self.token_quota = token_quota
+        self.dispatched_at = 0.0
         self.state = WaiterState.PENDING
         self.error = None
         self.future = None
@@ -129,22 +131,15 @@ class _TenantQueue:
     # Virtual start tag of the head request; meaningful only while live > 0.
     start: float = 0.0
     finish: float = 0.0
-    # Requests in flight and the time integral of that (request-seconds, up to `busy_at`):
-    # with `charged`, how long its requests occupy the engine per unit of service, for
-    # the window's fair-share caps.
     in_flight: int = 0
-    busy_s: float = 0.0
-    busy_at: float = 0.0
+    # Of its requests that ended: their seconds in flight and their cost, how long its
+    # requests occupy the engine per unit of service, for the window's fair-share caps.
+    ended_s: float = 0.0
+    ended_cost: float = 0.0
     # Cost charged to it at dispatch (settles included), what other gateways read; and
     # what they reported charging it, as last taken into its tags.
     charged: float = 0.0
     remote: float = 0.0
-
-    def occupy(self, now: float, change: int) -> None:
-        """Bring `busy_s` up to `now`, then change the requests in flight by `change`."""
-        self.busy_s += self.in_flight * (now - self.busy_at)
-        self.busy_at = now
-        self.in_flight += change
 
     def head(self) -> Waiter:
         waiters = self.waiters
@@ -576,8 +571,9 @@ class SchedulingCore:
         klass = model.classes[self._levels[waiter.klass]]
         klass.in_flight += 1
         tenant = klass.tenant(waiter)
-        tenant.occupy(now, 1)
+        tenant.in_flight += 1
         tenant.charged += waiter.cost
+        waiter.dispatched_at = now
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
         waiter.state = WaiterState.DISPATCHED
@@ -603,7 +599,9 @@ class SchedulingCore:
         klass = model.classes[self._levels[waiter.klass]]
         klass.in_flight -= 1
         tenant = klass.tenant(waiter)
-        tenant.occupy(now, -1)
+        tenant.in_flight -= 1
+        tenant.ended_s += now - waiter.dispatched_at
+        tenant.ended_cost += waiter.cost
         key = (waiter.model, waiter.tenant)
         self._served[key] = self._served.get(key, 0.0) + waiter.cost
         decided: list[Waiter] = []
@@ -678,15 +676,15 @@ class SchedulingCore:
             outstanding = []
             for queue in klass.tenants.values():
                 if queue.live or queue.in_flight:
-                    queue.occupy(now, 0)
                     outstanding.append(
                         TenantDemand(
                             queue.name,
                             queue.weight,
                             queue.live + queue.in_flight,
-                            queue.busy_s,
-                            queue.charged,
-                            queue.remote,
+                            ended_s=queue.ended_s,
+                            ended_cost=queue.ended_cost,
+                            charged=queue.charged,
+                            elsewhere=queue.remote,
                         )
                     )
             if outstanding:

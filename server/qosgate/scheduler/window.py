@@ -105,10 +105,14 @@ CORRECTION_RANGE = (0.2, 5.0)
 # Outstanding requests are smoothed over intervals: a closed loop's count dips while its
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
-# Occupancy is the ratio of request-seconds to cost charged here, each summed over intervals
-# with this decay, and so is the service each tenant got: a horizon of about ten seconds,
-# over which a generation of a few seconds finishes often enough that its cost, counted
-# when it ends, does not come in lumps; a tenant that changes what it sends still shows.
+# Occupancy is the ratio of the seconds in flight of a tenant's requests that ended to their
+# cost, each summed over intervals with this decay, and so is the service each tenant got:
+# a horizon of about ten seconds, over which a generation of a few seconds ends often
+# enough; a tenant that changes what it sends still shows. Counted per ended request, its
+# noise is how much alike the requests are: a tenant with a few requests in flight, whose
+# dispatches come a few a second, reads the same occupancy as one with thirty (counting
+# request-seconds against cost charged at dispatch read theirs apart by a tenth and more,
+# and their caps with it).
 OCCUPANCY_DECAY = 0.95
 SERVICE_DECAY = 0.95
 # The lower classes' cap grows back only below this fraction of the allowed latency.
@@ -137,8 +141,10 @@ class TenantDemand:
     weight: float
     outstanding: int
     """Requests queued in the gateway plus those in flight."""
-    busy_s: float
-    """Time integral of its requests in flight so far (request-seconds)."""
+    ended_s: float
+    """Of its requests that ended so far, the seconds each was in flight, summed."""
+    ended_cost: float
+    """Of those requests, their cost (as settled), summed."""
     charged: float
     """Cost charged to it at dispatch so far (an estimate, settled when a request ends):
     its service as fair share counts it, without waiting for long requests to end."""
@@ -154,7 +160,8 @@ class FairPart:
     weight: float
     outstanding: float
     occupancy: float | None
-    """Request-seconds in flight per unit of cost charged, recently; None: not known yet."""
+    """Seconds in flight per unit of cost of its requests that ended recently; None: not
+    known yet."""
     served: float = 0.0
     """Cost served per interval recently (over some ten seconds), here and elsewhere."""
     correction: float = 1.0
@@ -276,14 +283,15 @@ class _TenantTrack:
     """A tenant's outstanding requests and occupancy, smoothed over intervals."""
 
     __slots__ = (
-        "_busy", "_busy_s", "_charged", "_local", "_local_s", "_span", "correction", "outstanding", "residual", "service"
+        "_charged", "_ended", "_ended_cost", "_ended_cost_was", "_ended_was", "_span", "correction", "outstanding",
+        "residual", "service",
     )
 
     def __init__(self, first: TenantDemand) -> None:
         self.outstanding = float(first.outstanding)
-        self._busy_s, self._local_s = first.busy_s, first.charged
+        self._ended_was, self._ended_cost_was = first.ended_s, first.ended_cost
         self._charged = first.charged + first.elsewhere
-        self._busy = self._local = self.service = self._span = 0.0
+        self._ended = self._ended_cost = self.service = self._span = 0.0
         self.correction = 1.0
         # Of its part, the fraction of a request its whole-request caps have not given yet.
         self.residual = 0.0
@@ -291,17 +299,17 @@ class _TenantTrack:
     def update(self, now: TenantDemand) -> None:
         self.outstanding = DEMAND_SMOOTHING * self.outstanding + (1 - DEMAND_SMOOTHING) * now.outstanding
         charged = now.charged + now.elsewhere
-        self._busy = OCCUPANCY_DECAY * self._busy + (now.busy_s - self._busy_s)
-        self._local = OCCUPANCY_DECAY * self._local + (now.charged - self._local_s)
+        self._ended = OCCUPANCY_DECAY * self._ended + (now.ended_s - self._ended_was)
+        self._ended_cost = OCCUPANCY_DECAY * self._ended_cost + (now.ended_cost - self._ended_cost_was)
         # A gateway gone takes its count with it: that is no negative service.
         self.service = SERVICE_DECAY * self.service + max(0.0, charged - self._charged)
         # How many intervals `service` sums, decayed alike: a tenant back after a pause
         # has its rate compared, not a sum over a shorter past.
         self._span = SERVICE_DECAY * self._span + 1.0
-        self._busy_s, self._local_s, self._charged = now.busy_s, now.charged, charged
+        self._ended_was, self._ended_cost_was, self._charged = now.ended_s, now.ended_cost, charged
 
     def part(self, tenant: TenantDemand) -> FairPart:
-        occupancy = self._busy / self._local if self._local > 0 else None
+        occupancy = self._ended / self._ended_cost if self._ended_cost > 0 else None
         rate = self.service / self._span if self._span else 0.0
         return FairPart(tenant.name, tenant.weight, self.outstanding, occupancy, rate, self.correction)
 
