@@ -81,7 +81,9 @@ $(NATIVE): $(STAMP) $(NGH2) $(GEN) scripts/build_native.py server/qosgate/native
 
 models: $(MODELS)
 
-$(MODELS): $(STAMP)
+# After `native` (order only): importing qosgate needs its compiled modules whole, so a
+# parallel make must not run this while they are rewritten.
+$(MODELS): $(STAMP) | $(NATIVE)
 	$(VENV)/bin/qosgate prepare-models
 
 # perf_analyzer (Triton's load generator), extracted from the tritonclient 2.51.0 wheel;
@@ -133,8 +135,9 @@ $(NODE_DEPS): clients/node/package.json clients/node/package-lock.json
 lint-protos: $(NODE_DEPS)
 	cd clients/node && npx --no-install buf lint ../../protos
 
-# Static types of the gateway package (settings: [tool.mypy] in pyproject.toml).
-typecheck: $(STAMP) $(GEN)
+# Static types of the gateway package (settings: [tool.mypy] in pyproject.toml); ngh2's
+# types come from the build that $(NGH2) installs.
+typecheck: $(NGH2) $(GEN)
 	$(VENV)/bin/mypy
 
 run: setup
@@ -145,7 +148,11 @@ run: setup
 triton: setup
 	$(VENV)/bin/qosgate triton
 
-test: setup system-deps-test tools node-deps clients lint-protos typecheck
+# The set-up runs two jobs at a time: on a fresh clone the venv's installs, the compiled
+# modules, the three clients and mypy would otherwise run one after another with a core
+# idle (one-threaded mostly). The system packages come first, so that apt runs alone.
+test: system-deps-test
+	$(MAKE) -j2 --output-sync=target setup tools node-deps clients lint-protos typecheck
 	$(PY) -m pytest -q
 
 test-unit: venv protos native system-deps-test
@@ -153,7 +160,7 @@ test-unit: venv protos native system-deps-test
 
 BENCH_DEPS := $(VENV)/.bench-installed
 
-$(BENCH_DEPS): $(STAMP)
+$(BENCH_DEPS): $(NGH2)
 	$(PIP) install -q -e '.[bench]'
 	touch $@
 
