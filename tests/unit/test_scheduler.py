@@ -323,7 +323,7 @@ def test_work_over_a_shrunk_window_does_not_take_the_slots_reserved_above_it() -
     assert [w.state for w in vip] == [WaiterState.DISPATCHED] * 2 + [WaiterState.QUEUED]
     assert h.submit("app", "interactive").state is WaiterState.QUEUED
     assert h.core.snapshot().in_flight == {MODEL: 6}
-    assert h.core.pressure(MODEL, h.clock.now()).limited
+    assert h.core.pressure(MODEL).limited
     # Batch finishing first frees nothing for anyone while it is still over its limit...
     assert h.release(flood[0]) == [] and h.release(flood[1]) == []
     # ...then the queued critical request goes first, and batch waits below its limit.
@@ -347,7 +347,7 @@ def test_an_exclusive_class_holds_the_classes_below_while_it_is_in_flight(exclus
     # Held in the gateway though the window has room, and not by it: an `auto` window
     # must not grow for them.
     assert [w.state for w in later] == [WaiterState.QUEUED] * 2
-    assert not h.core.pressure(MODEL, h.clock.now()).limited
+    assert not h.core.pressure(MODEL).limited
     assert h.submit("vip", "critical").state is WaiterState.DISPATCHED  # its own class goes
     assert h.release(h.in_flight[0]) == []  # batch work finishing frees nothing for them
     assert h.release(vip) == []  # the other critical request still holds them
@@ -741,7 +741,7 @@ def test_the_window_grows_for_what_a_capped_class_asks() -> None:
     # Held back by its fair cap, not the window; but 12 asked of a window of 8: the engine
     # is what should tell it to stop growing, and the cap splits whatever it is.
     assert h.core.snapshot().in_flight == {MODEL: 4}
-    assert h.core.pressure(MODEL, h.clock.now()).limited
+    assert h.core.pressure(MODEL).limited
 
 
 def test_occupancy_is_reported_per_ended_request_whatever_the_concurrency() -> None:
@@ -763,7 +763,7 @@ def test_occupancy_is_reported_per_ended_request_whatever_the_concurrency() -> N
     straggler = Waiter("heavy", 4.0, "standard", MODEL, None, 0.0, cost=1.0)
     core.submit(straggler, now)
     core.submit(Waiter("light", 1.0, "standard", MODEL, None, 0.0, cost=3.0), now)
-    (reported_tenants,) = core.pressure(MODEL, now + 50.0).tenants.values()
+    (reported_tenants,) = core.pressure(MODEL).tenants.values()
     reported = {t.name: t for t in reported_tenants}
     assert reported["light"].ended_s / reported["light"].ended_cost == pytest.approx(2.0)
     assert reported["heavy"].ended_s / reported["heavy"].ended_cost == pytest.approx(2.0)

@@ -153,7 +153,7 @@ class Scheduler:
         now = self._clock.now()
         if now < controller.next_at:
             return  # it acts once per interval: no need to gather what it would decide on
-        decision = controller.decide(now, self._core.pressure(model, now))
+        decision = controller.decide(now, self._core.pressure(model))
         if decision is not None:
             self._resolve(self._core.resize(model, decision.window, now, fair=decision.fair, lower=decision.lower))
 

@@ -663,7 +663,7 @@ class SchedulingCore:
         model.queued -= 1
         return True
 
-    def pressure(self, model_name: str, now: float) -> Pressure:
+    def pressure(self, model_name: str) -> Pressure:
         """What the model's window controller decides on: whether the window holds queued
         requests back (some class has work queued while its share of the window is full:
         a lower class never fills the whole window, the nested reservation keeps slots for
