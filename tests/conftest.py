@@ -9,8 +9,11 @@ local CPU stack serves), once per session, on free ports (see `free_port`).
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import pathlib
 import random
+import signal
 import socket
 import threading
 import time
@@ -91,8 +94,51 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> LocalTriton:
         ports=ports,
         log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log",
     )
-    with server:
+    with started_then_killed(server):
         yield server
+
+
+def shared_memory_of(pgid: int) -> set[pathlib.Path]:
+    """The files in /dev/shm that the processes of group `pgid` have mapped (Triton's
+    python stubs' regions, vLLM's queues)."""
+    found = set()
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != pgid:
+                continue
+            maps = (proc / "maps").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                found.add(pathlib.Path(fields[5]))
+    return found
+
+
+def kill_triton(server: LocalTriton) -> None:
+    """kill -9 to the server's whole process group, then remove the shared memory its
+    processes had mapped (a killed Triton leaves it in /dev/shm)."""
+    if server.pid is None:
+        return
+    mapped = shared_memory_of(server.pid)
+    os.killpg(server.pid, signal.SIGKILL)
+    server.stop()  # reaps it; nothing of the group is left to signal
+    for path in mapped:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def started_then_killed(server: LocalTriton) -> Iterator[LocalTriton]:
+    """`with server:` for a test's own tritonserver whose stop is not what the test checks
+    (test_launcher checks that): ready on entry, killed on the way out. A polite stop
+    waits out Triton's exit timeout and vLLM's engine shutdown, 5-25 s a server."""
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        kill_triton(server)
 
 
 def require_model(name: str) -> None:

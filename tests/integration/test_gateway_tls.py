@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 from certificates import CertificateAuthority, Issued
 from tritonclient.utils import InferenceServerException
 
-from conftest import free_port, require_model
+from conftest import free_port, require_model, started_then_killed
 from gateway_harness import ACME_KEY, GLOBEX_KEY, GatewayThread, bearer, gateway_config
 from qosgate import paths
 from qosgate.launcher import LocalTriton, TritonPorts
@@ -399,7 +399,7 @@ def tls_triton(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[L
             "--grpc-use-ssl-mutual=true",
         ],
     )
-    with server:
+    with started_then_killed(server):
         yield server
 
 

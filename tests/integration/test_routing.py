@@ -22,7 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from conftest import free_port, require_model
+from conftest import free_port, kill_triton, require_model
 from gateway_harness import ACME_KEY, GatewayThread, bearer, gateway_config
 from qosgate.launcher import LocalTriton, TritonPorts, side_by_side_cpus
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
@@ -59,7 +59,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalTri
         yield servers
     finally:
         for server in servers:
-            server.stop()
+            kill_triton(server)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from conftest import free_port, require_model
+from conftest import free_port, require_model, started_then_killed
 from qosgate import paths
 from qosgate.launcher import LocalTriton, TritonPorts
 
@@ -363,7 +363,7 @@ def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
         model_repository=repo,
         log_path=repo / "tritonserver.log",
     )
-    with server:
+    with started_then_killed(server):
         yield server
 
 

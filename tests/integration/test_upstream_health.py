@@ -10,9 +10,6 @@ restart the gateway took 5-19 s to notice (gRPC's default reconnect backoff).
 
 from __future__ import annotations
 
-import os
-import pathlib
-import signal
 import threading
 import time
 import urllib.error
@@ -28,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import free_port, require_model
+from conftest import free_port, kill_triton, require_model, started_then_killed
 from gateway_harness import ACME_KEY, ADMIN_KEY, GatewayThread, bearer, gateway_config
 from qosgate.launcher import LocalTriton, TritonPorts
 
@@ -110,7 +107,7 @@ def cycling_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTr
     require_model(CALLED)
     ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
     log = tmp_path_factory.mktemp("cycling-triton") / "tritonserver.log"
-    with LocalTriton(models=[CYCLED, CALLED], ports=ports, log_path=log) as server:
+    with started_then_killed(LocalTriton(models=[CYCLED, CALLED], ports=ports, log_path=log)) as server:
         yield server
 
 
@@ -169,24 +166,6 @@ def test_loading_and_unloading_a_model_leaves_other_models_serving(
     assert tally.health == {SERVING}
 
 
-class KillableTriton(LocalTriton):
-    """A Triton of this test's own (identity only), whose python stubs' shared memory is
-    named after it, so that what a kill -9 leaves in /dev/shm can be removed."""
-
-    def __init__(self, ports: TritonPorts, log_path: pathlib.Path, shm_prefix: str) -> None:
-        super().__init__(
-            models=["identity"],
-            ports=ports,
-            log_path=log_path,
-            extra_args=[f"--backend-config=python,shm-region-prefix-name={shm_prefix}"],
-        )
-
-    def kill_9(self) -> None:
-        assert self.pid is not None
-        os.killpg(self.pid, signal.SIGKILL)
-        self.stop()  # reaps it; nothing is left to signal
-
-
 def first_success(attempt: Callable[[], bool], timeout_s: float) -> float:
     """The monotonic time at which `attempt` first returned true, polled every 20 ms."""
     deadline = time.monotonic() + timeout_s
@@ -219,8 +198,7 @@ def probe(gateway: GatewayThread, path: str) -> int:
 def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readiness(tmp_path) -> None:
     require_model("identity")
     ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
-    shm_prefix = f"qosgate_health_{os.getpid()}_"
-    server = KillableTriton(ports, tmp_path / "triton.log", shm_prefix)
+    server = LocalTriton(models=["identity"], ports=ports, log_path=tmp_path / "triton.log")
     try:
         with server, GatewayThread(
             gateway_config(ports.grpc_url), health_check_interval_s=1.0  # the production default
@@ -230,7 +208,7 @@ def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readines
             assert health_of(channel) == SERVING
 
             assert probe(gateway, "/readyz") == probe(gateway, "/healthz") == 200
-            server.kill_9()
+            kill_triton(server)
             wait_for(lambda: health_of(channel) != SERVING, timeout_s=30)
             # Not ready without a live Triton, yet alive: a Triton outage restarts no gateway.
             assert (probe(gateway, "/readyz"), probe(gateway, "/healthz")) == (503, 200)
@@ -256,5 +234,3 @@ def test_a_triton_killed_and_restarted_is_served_again_within_2s_of_its_readines
             assert probe(gateway, "/readyz") == 200
     finally:
         server.stop()
-        for leftover in pathlib.Path("/dev/shm").glob(f"{shm_prefix}*"):
-            leftover.unlink(missing_ok=True)
