@@ -90,12 +90,35 @@ def measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None
     what = f"{target} at concurrency {concurrency}{' streaming' if streaming else ''}"
     log.warning("%s while measuring %s: restarted it, measuring again", "; ".join(died), what)
     notes.append(f"{'; '.join(died)} while {what} was measured: restarted, and the point measured again.")
+    wait_served(url, target)
     return _measure_target(stack, target, url, hop, concurrency, settings, streaming=streaming)
+
+
+def caller_headers(target: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {API_KEY}"} if target in ("qosgate", REDIS_GATEWAY) else {}
+
+
+def wait_served(url: str, target: str, timeout: float = 30.0) -> None:
+    """Wait until `target` at `url` serves the model again: a hop reconnects to a restarted
+    Triton by itself, but not in the instant Triton says it is ready."""
+    deadline = time.monotonic() + timeout
+    client = grpcclient.InferenceServerClient(url=url)
+    try:
+        while True:
+            try:
+                client.get_model_metadata(MODEL, headers=caller_headers(target))
+                return
+            except grpcclient.InferenceServerException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        client.close()
 
 
 def _measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
                     concurrency: int, settings: perf.PerfSettings, *, streaming: bool) -> Sample:
-    headers = (f"authorization:Bearer {API_KEY}",) if target in ("qosgate", REDIS_GATEWAY) else ()
+    headers = tuple(f"{name}:{value}" for name, value in caller_headers(target).items())
     before_count = successes(stack.triton_url)
     before_cpu = hop.cpu_seconds() if hop else 0.0
     point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
