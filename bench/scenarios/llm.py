@@ -47,6 +47,11 @@ class Point:
     seconds: float
     outcomes: list[load.Outcome]
     window: tuple[float, float]
+    gateway_cpu_s: float | None = None  # the gateway's CPU over the whole point (warm-up too)
+
+    def gateway_us_per_token(self) -> float | None:
+        tokens = sum(len(o.token_times) for o in self.outcomes)
+        return None if self.gateway_cpu_s is None or not tokens else 1e6 * self.gateway_cpu_s / tokens
 
     def tokens_per_s(self) -> float:
         lo, hi = self.window
@@ -75,7 +80,8 @@ class Point:
                 "TTFT p50 ms": percentile(ttft, 50), "TTFT p99 ms": percentile(ttft, 99),
                 "ITL p50 ms": percentile(itl, 50), "ITL p99 ms": percentile(itl, 99),
                 "streams ok": sum(o.ok for o in self.outcomes),
-                "failed": sum(not o.ok for o in self.outcomes)}
+                "failed": sum(not o.ok for o in self.outcomes),
+                "gateway CPU us/token": None if (cpu := self.gateway_us_per_token()) is None else round(cpu, 1)}
 
 
 async def _closed_loop(target: load.Target | load.OpenAITarget, send: load.Send, name: str,
@@ -156,7 +162,12 @@ def run(ctx: RunContext) -> ScenarioResult:
             for name, url, caller in ordered:
                 stack.wait_idle(MODEL)
                 run_point = {HTTP: measure_http, V1: measure_v1}.get(name, measure)
-                points.append(asyncio.run(run_point(url, name, caller, concurrency, seconds)))
+                gateway = stack.gateway if name in WAYS else None
+                before = gateway.cpu_seconds() if gateway else 0.0
+                point = asyncio.run(run_point(url, name, caller, concurrency, seconds))
+                if gateway:
+                    point.gateway_cpu_s = gateway.cpu_seconds() - before
+                points.append(point)
         if stack.gateway is not None and profile.py_spy() is not None:
             found = profile_gateway(stack, targets[1][2], levels[-1], ctx.pick(8.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples during an extra run at "
@@ -185,6 +196,12 @@ def run(ctx: RunContext) -> ScenarioResult:
         figures.append(Figure(f"TTFT p50 through {way} / direct, concurrency {top}",
                               None if ttft is None else 100 * ttft / direct_ttft, "%", Aim("<=", 105.0),
                               reference=f"direct {direct_ttft:.0f} ms" + ("" if ttft is None else f", {way} {ttft:.0f} ms")))
+        # On this machine the engine and the gateway share two cores: what the gateway
+        # spends per token is taken from the engine, and reads steadier than tokens/s.
+        cpu = [c for p in runs if (c := p.gateway_us_per_token()) is not None]
+        figures.append(Figure(f"gateway CPU per token through {way}, concurrency {top}",
+                              statistics.fmean(cpu) if cpu else None, "us",
+                              reference=", ".join(f"{c:.0f}" for c in cpu) + " us in its runs"))
     tables: dict[str, list[dict[str, object]]] = {"streams": [p.row() for p in points]}
     if found is not None:
         tables.update(found.tables())
