@@ -214,8 +214,8 @@ class OpenAITarget:
     the same run clock as the gRPC targets.
 
     The client is aiohttp's (its HTTP parser is compiled, as grpc's is): the bench's own
-    client runs on the machine it measures, and a pure-Python one (httpx) spends enough
-    CPU on 32 streams of SSE to take a tenth off the engine's tokens/s."""
+    client runs on the machine it measures, and what a pure-Python one (httpx) spends
+    parsing 32 streams of SSE the engine lacks."""
 
     def __init__(self, base_url: str, epoch: float | None = None) -> None:
         self.base_url = base_url
