@@ -148,6 +148,9 @@ class GatewayThread:
     def stop(self) -> None:
         try:
             self.run(self.gateway.stop(grace_s=1.0))
+        except TimeoutError:
+            # A stop that never returns is a bug of its own: say what it waits on.
+            raise AssertionError(f"the gateway's stop did not return; its tasks:\n{self.run(_tasks(), 5.0)}") from None
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
@@ -159,6 +162,17 @@ class GatewayThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def _tasks() -> str:
+    """Every other task of the running loop, with where it waits."""
+    lines = []
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            frames = task.get_stack()
+            where = f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "?"
+            lines.append(f"{task.get_name()}: {task.get_coro()!r} at {where}")
+    return "\n".join(lines)
 
 
 class GatewayProcess:
