@@ -98,6 +98,11 @@ def caller_headers(target: str) -> dict[str, str]:
     return {"authorization": f"Bearer {API_KEY}"} if target in ("qosgate", REDIS_GATEWAY) else {}
 
 
+def perf_headers(target: str) -> tuple[str, ...]:
+    """`caller_headers` as perf_analyzer's -H takes them."""
+    return tuple(f"{name}:{value}" for name, value in caller_headers(target).items())
+
+
 def wait_served(url: str, target: str, timeout: float = 30.0) -> None:
     """Wait until `target` at `url` serves the model again: a hop reconnects to a restarted
     Triton by itself, but not in the instant Triton says it is ready."""
@@ -118,7 +123,7 @@ def wait_served(url: str, target: str, timeout: float = 30.0) -> None:
 
 def _measure_target(stack: Stack, target: str, url: str, hop: GroupProcess | None,
                     concurrency: int, settings: perf.PerfSettings, *, streaming: bool) -> Sample:
-    headers = tuple(f"{name}:{value}" for name, value in caller_headers(target).items())
+    headers = perf_headers(target)
     before_count = successes(stack.triton_url)
     before_cpu = hop.cpu_seconds() if hop else 0.0
     point = perf.measure(url=url, model=MODEL, concurrency=concurrency, settings=settings,
@@ -142,7 +147,7 @@ def profile_gateway(stack: Stack, url: str, concurrency: int, rate: float, secon
     assert stack.gateway is not None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         busy = pool.submit(perf.measure, url=url, model=MODEL, concurrency=concurrency, settings=settings,
-                           shape=SHAPE, headers=(f"authorization:Bearer {API_KEY}",), watch=stack.triton_failure)
+                           shape=SHAPE, headers=perf_headers("qosgate"), watch=stack.triton_failure)
         time.sleep(1.0)
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         found = profile.record(stack.gateway.pgid, seconds, RESULTS_DIR / "overhead-gateway.pyspy.txt")
