@@ -61,7 +61,8 @@ $(STAMP): pyproject.toml requirements/engine.txt
 	touch $@
 
 # ngh2 with libnghttp2's option to take header values with surrounding whitespace (gRPC
-# servers trim them; RFC 9113 has nghttp2 reset the stream): see scripts/build_ngh2.py.
+# servers trim them; RFC 9113 has nghttp2 reset the stream): see scripts/build_ngh2.py
+# (its wheel is kept in ~/.cache/qosgate/wheels).
 $(NGH2): $(STAMP) scripts/build_ngh2.py
 	$(PY) scripts/build_ngh2.py
 	touch $@
@@ -72,8 +73,10 @@ $(GEN): $(STAMP) $(PROTO_FILES) scripts/gen_protos.py
 	$(PY) scripts/gen_protos.py
 
 # The per-call modules compiled to C by mypyc (see server/qosgate/native.py); gcc builds
-# them, about a minute and a half. Importing qosgate refuses compiled modules older than
-# their source, so after editing one, `make native` (make run / make test do it too).
+# them, about a minute and a half, and the build is kept in ~/.cache/qosgate/native for any
+# checkout of the same source (scripts/build_native.py). Importing qosgate refuses compiled
+# modules older than their source, so after editing one, `make native` (make run / make
+# test do it too).
 native: $(NATIVE)
 
 $(NATIVE): $(STAMP) $(NGH2) $(GEN) scripts/build_native.py server/qosgate/native.py pyproject.toml $(NATIVE_SOURCES)

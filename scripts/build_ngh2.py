@@ -12,15 +12,17 @@ installs it over the wheel pip put in the venv. `transport/http2.py` passes Fals
 option is there; with PyPI's build the gateway warns at its start that such values reset
 the stream.
 
-`python scripts/build_ngh2.py [--wheel-dir DIR]`: the wheel is kept in DIR (default
-.cache/wheels) and reused while this script is unchanged; run by `make venv` and the
-gateway image's build.
+`python scripts/build_ngh2.py [--wheel-dir DIR]`: the wheel is kept in DIR and reused
+while this script is unchanged (default: `$XDG_CACHE_HOME/qosgate/wheels/` under this
+script's SHA-256, so every checkout of the same script shares one build; `~/.cache` without
+XDG_CACHE_HOME); run by `make venv` and the gateway image's build.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import pathlib
 import subprocess
 import sys
@@ -33,6 +35,8 @@ SDIST_SHA256 = "09b995aa65b8a397de652fd7a9b3877d6d1e24c10d2effc36204a3f37aa73440
 # The local version label marks the build; `ngh2==0.3.0` in pyproject.toml accepts it.
 LOCAL = f"{VERSION}+qosgate.ws1"
 OPTION = "leading_and_trailing_ws_validation"
+# This interpreter's builds of it (a wheel directory may hold others').
+WHEELS = f"ngh2-{LOCAL}-cp{sys.version_info.major}{sys.version_info.minor}-*.whl"
 
 # (file, text that must be there once, text that replaces it)
 EDITS = (
@@ -69,6 +73,12 @@ EDITS = (
 )
 
 
+def default_wheel_dir() -> pathlib.Path:
+    """Where the builds of this script, as it is now, are kept."""
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    return cache / "qosgate" / "wheels" / hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 def installed() -> bool:
     """Whether the running interpreter's ngh2 is this build."""
     try:
@@ -81,7 +91,7 @@ def installed() -> bool:
 def build(wheel_dir: pathlib.Path) -> pathlib.Path:
     """The patched wheel, from `wheel_dir` when an earlier run built it."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheel_dir.glob(f"ngh2-{LOCAL}-*.whl"))
+    found = sorted(wheel_dir.glob(WHEELS))
     if found:
         return found[-1]
     with tempfile.TemporaryDirectory(prefix="ngh2-build-") as tmp:
@@ -105,7 +115,7 @@ def build(wheel_dir: pathlib.Path) -> pathlib.Path:
                 raise SystemExit(f"{name}: the text to patch is not there once; ngh2 changed?")
             path.write_text(text.replace(old, new))
         subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(source)], check=True)
-    found = sorted(wheel_dir.glob(f"ngh2-{LOCAL}-*.whl"))
+    found = sorted(wheel_dir.glob(WHEELS))
     if not found:
         raise SystemExit(f"no ngh2 {LOCAL} wheel in {wheel_dir}")
     return found[-1]
@@ -113,7 +123,7 @@ def build(wheel_dir: pathlib.Path) -> pathlib.Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheel-dir", type=pathlib.Path, default=ROOT / ".cache" / "wheels")
+    parser.add_argument("--wheel-dir", type=pathlib.Path, default=default_wheel_dir())
     args = parser.parse_args()
     wheel = build(args.wheel_dir)
     if not installed():

@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import re
+import runpy
 import shlex
 import shutil
 import stat
@@ -162,7 +163,8 @@ def image() -> Iterator[Image]:
         package = context / "server" / "qosgate"
         assert native.compiled(package) and native.stale(package) == [], "run `make native` first"
         wheels.mkdir()
-        for cached in (ROOT / ".cache" / "wheels").glob("ngh2-*.whl"):
+        ngh2_builds = runpy.run_path(str(ROOT / "scripts" / "build_ngh2.py"))["default_wheel_dir"]()
+        for cached in ngh2_builds.glob("ngh2-*.whl"):
             shutil.copy(cached, wheels)
         python = shlex.quote(sys.executable)
         run_command(step(build, "python scripts/build_ngh2.py").replace("python ", f"{python} ", 1), context,

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import os
 import pathlib
 import shutil
+import types
+
+import pytest
 
 from qosgate import native
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
@@ -70,3 +76,39 @@ def test_source_without_extension_modules_runs_interpreted_and_is_not_stale(
     package = _package(tmp_path, built=False)
     assert not native.compiled(package)
     assert native.stale(package) == []
+
+
+def _build_script(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """scripts/build_native.py, pointed at a checkout under `tmp_path` with one module."""
+    spec = importlib.util.spec_from_file_location("build_native", ROOT / "scripts" / "build_native.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    package = tmp_path / "server" / "qosgate"
+    package.mkdir(parents=True)
+    (package / "config.py").write_text("LIMIT: int = 1\n")
+    (tmp_path / "pyproject.toml").write_text("[tool.mypy]\n")
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "PACKAGE", package)
+    return script
+
+
+def test_the_build_cache_key_changes_with_any_source_of_the_package(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compiled module's C depends on the types of the modules it imports, compiled or
+    # not: an edit anywhere in the package must miss the cache, a touch must not.
+    script = _build_script(tmp_path, monkeypatch)
+    package = tmp_path / "server" / "qosgate"
+    first = script.inputs_digest()
+    os.utime(package / "config.py", (0, 0))
+    assert script.inputs_digest() == first
+    (package / "config.py").write_text("LIMIT: float = 1.0\n")
+    edited = script.inputs_digest()
+    assert edited != first
+    (package / "v1").mkdir()
+    (package / "v1" / "common_pb2.pyi").write_text("class Usage: ...\n")
+    stubbed = script.inputs_digest()
+    assert stubbed not in (first, edited)
+    (tmp_path / "pyproject.toml").write_text("[tool.mypy]\nstrict = true\n")
+    assert script.inputs_digest() not in (first, edited, stubbed)
