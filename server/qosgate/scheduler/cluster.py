@@ -43,10 +43,12 @@ REPORT_TTL_S = 1.0
 # A tenant's rate of service is summed over reports with this decay per second.
 RATE_DECAY_PER_S = 0.5
 # Held back while its service per unit of weight is more than this much above a starved
-# competitor's; let go again (its in-flight limit grows by LIMIT_GROWTH) once it is as
-# much below. Limits move at most every LIMIT_INTERVAL_S: the rates they act on take
-# about that long to show a change.
-HOLD_TOLERANCE = 0.05
+# competitor's: its in-flight limit moves half way (in ratio) to where it would match,
+# down while it is above and back up the same way once it is as much below, so that it
+# sits on the competitor's rate on average, not at one edge of the band; lifted by
+# LIMIT_GROWTH a step once no competitor is starved. Limits move at most every
+# LIMIT_INTERVAL_S: the rates they act on take about that long to show a change.
+HOLD_TOLERANCE = 0.02
 LIMIT_GROWTH = 1.25
 LIMIT_INTERVAL_S = 1.0
 # Rates need this much history before they may hold anything back.
@@ -235,14 +237,18 @@ class ClusterShare:
                     # Rate follows requests in flight: move half way (in ratio) to the cap
                     # that would bring it down to the starved competitor's.
                     cap = max(1.0, (cap if cap is not None else max(1, in_flight.get(key, 1))) / ratio**0.5)
-            elif cap is not None and due and (key not in ratios or ratio < 1 - HOLD_TOLERANCE):
-                cap *= LIMIT_GROWTH
+            elif cap is not None and due and key not in ratios:
+                cap *= LIMIT_GROWTH  # no competitor starved any more: let go
+            elif cap is not None and due and ratio < 1 - HOLD_TOLERANCE:
+                # Half way back up, as it came down: a step of another size would leave
+                # the tenant on one side of its share on average.
+                cap /= max(ratio, 1 / LIMIT_GROWTH**2) ** 0.5
             # A limit above all the tenant has here holds nothing back any more.
             if cap is None or cap > outstanding.get(key, 0):
                 self._caps.pop(key, None)
                 continue
             self._caps[key] = cap
-            limits[key] = int(cap)
+            limits[key] = round(cap)  # not floored: that would hold it below its cap on average
         return limits
 
     @staticmethod
