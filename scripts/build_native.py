@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server"
 PACKAGE = SERVER / "qosgate"
 BUILD = ROOT / ".cache" / "native-build"
-CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "qosgate" / "native"
+# Read without importing the package (its import refuses stale modules).
+CACHE = runpy.run_path(str(PACKAGE / "paths.py"))["user_cache_dir"]() / "native"
 KEEP = 8
 
 

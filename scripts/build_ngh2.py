@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import pathlib
+import runpy
 import subprocess
 import sys
 import tarfile
@@ -75,8 +75,8 @@ EDITS = (
 
 def default_wheel_dir() -> pathlib.Path:
     """Where the builds of this script, as it is now, are kept."""
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    return cache / "qosgate" / "wheels" / hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+    cache = runpy.run_path(str(ROOT / "server" / "qosgate" / "paths.py"))["user_cache_dir"]()
+    return cache / "wheels" / hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def installed() -> bool:

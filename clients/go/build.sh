@@ -26,7 +26,9 @@ done
 protoc --descriptor_set_in="$descriptors" --go_out="$out/gopath/src" --go-grpc_out="$out/gopath/src" \
   "${maps[@]}" model_config.proto grpc_service.proto
 
-export GO111MODULE=off GOPATH="$out/gopath:/usr/share/gocode" GOCACHE="$out/cache"
+# Go's own build cache (GOCACHE, default ~/.cache/go-build) is content-addressed: every
+# checkout shares what it compiled of gRPC.
+export GO111MODULE=off GOPATH="$out/gopath:/usr/share/gocode"
 go vet github.com/qosgate/qosgate/clients/go/qosgate github.com/qosgate/qosgate/clients/go/cmd/qosgate-example
 go build -o "$out/bin/qosgate-example" github.com/qosgate/qosgate/clients/go/cmd/qosgate-example
 echo "built $out/bin/qosgate-example"

@@ -41,6 +41,15 @@ def cache_dir() -> pathlib.Path:
     return project_root() / ".cache"
 
 
+def user_cache_dir() -> pathlib.Path:
+    """Builds that depend only on what they are built from, shared by every checkout of
+    the user's, each under a digest of its inputs (the compiled modules, the ngh2 wheel,
+    the clients' walkthrough builds): `$XDG_CACHE_HOME/qosgate`, default `~/.cache/qosgate`.
+    Scripts read this module with runpy, so it imports nothing of qosgate."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache_home) / "qosgate"
+
+
 def model_repository() -> pathlib.Path:
     return project_root() / "model_repository"
 

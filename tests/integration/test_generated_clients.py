@@ -12,6 +12,7 @@ the class, RetryInfo and the retry that waits it, the deadline, TLS with the tes
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -34,7 +35,6 @@ from qosgate_client import Client
 pytestmark = pytest.mark.integration
 
 ROOT = paths.project_root()
-BUILDS = paths.cache_dir() / "clients"
 LANGUAGES = ("go", "java", "cpp")
 COMMANDS = ("generate", "stream", "embed", "batch", "infer")
 # A tenant per language with a burst of one: of two calls in a row (`--repeat 2`) the
@@ -123,10 +123,9 @@ def bash(script: str, *, cwd: Path, env: dict[str, str], timeout: float = 600) -
 
 
 def environment(target: str, key: str) -> dict[str, str]:
-    # Go's build cache is the one `make clients-go` filled, so the walkthrough compiles
-    # only its own files.
-    return {**os.environ, "QOSGATE_TARGET": target, "QOSGATE_API_KEY": key,
-            "GOCACHE": str(BUILDS / "go" / "cache")}
+    # Go's build cache (the user's, which `make clients-go` filled) spares the
+    # walkthrough compiling gRPC again.
+    return {**os.environ, "QOSGATE_TARGET": target, "QOSGATE_API_KEY": key}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,9 +260,10 @@ def test_readme_excerpts_are_the_example_source(language: str) -> None:
 def test_readme_walkthrough_streams_from_protos_alone(language: str, gateway: GatewayThread) -> None:
     """The README's program and commands, in a directory with a copy of protos/ and
     nothing else of this repository: what a caller who writes their own client starts
-    from. Built again only when the README or a proto changed."""
+    from. Built once per content of the README's files and build block and of protos/:
+    the directory is named by their digest in the user's cache (`paths.user_cache_dir`),
+    shared by every checkout of the same text."""
     doc = readme(language)
-    work = BUILDS / language / "walkthrough"
     prelude = doc.optional("walkthrough", "env")  # what both the build and the run need
     build = prelude + doc.one("walkthrough", "build")
     digest = hashlib.sha256(build.encode())
@@ -271,15 +271,21 @@ def test_readme_walkthrough_streams_from_protos_alone(language: str, gateway: Ga
         digest.update(name.encode() + text.encode())
     for proto in sorted((ROOT / "protos").rglob("*.proto")):
         digest.update(proto.read_bytes())
-    stamp = work / ".built"
-    if not stamp.is_file() or stamp.read_text() != digest.hexdigest():
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(ROOT / "protos", work / "protos")
-        for name, text in doc.files().items():
-            (work / name).write_text(text)
-        done = bash(build, cwd=work, env=environment("", ""))
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        stamp.write_text(digest.hexdigest())
+    work = paths.user_cache_dir() / "walkthrough" / language / digest.hexdigest()[:16]
+    work.parent.mkdir(parents=True, exist_ok=True)
+    with (work.parent / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout's tests may be building it
+        if not (work / ".built").is_file():
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(ROOT / "protos", work / "protos")
+            for name, text in doc.files().items():
+                (work / name).write_text(text)
+            done = bash(build, cwd=work, env=environment("", ""))
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            (work / ".built").touch()
+            builds = sorted(work.parent.glob("[0-9a-f]*"), key=lambda path: path.stat().st_mtime)
+            for old in builds[:-3]:  # the last three READMEs' builds are kept
+                shutil.rmtree(old, ignore_errors=True)
     done = bash(prelude + doc.one("walkthrough", "run"), cwd=work, env=environment(gateway.url, ACME_KEY))
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
