@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import shutil
 import time
@@ -20,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
@@ -34,6 +36,8 @@ MODEL = "smollm2"
 # SmolLM2-Instruct's chat template, written out: the backend takes a raw prompt.
 FRANCE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0}
+# Where the one-slot server's engine computes: vLLM, left to itself, binds to the first.
+LAST_CPU = max(os.sched_getaffinity(0))
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +353,8 @@ def test_refusals_are_invalid_argument_class(
 @pytest.fixture(scope="module")
 def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     """smollm2 with room for a single running sequence, so that requests queue in the
-    engine's scheduler and the order it picks them in becomes visible."""
+    engine's scheduler and the order it picks them in becomes visible; on LAST_CPU. The
+    module's last test stops it the polite way; killed here only if a test failed first."""
     require_model(MODEL)
     repo = tmp_path_factory.mktemp("one-slot-repo")
     source = paths.model_repository() / MODEL
@@ -362,6 +367,7 @@ def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
         ports=TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port()),
         model_repository=repo,
         log_path=repo / "tritonserver.log",
+        cpus=[LAST_CPU],
     )
     with started_then_killed(server):
         yield server
@@ -405,3 +411,53 @@ async def test_priority_reaches_the_engine_scheduler(one_slot_smollm2: LocalTrit
                     all_final.set()
                     break
     assert finished[:2] == ["blocker", "urgent"], finished
+
+
+def _process_tree(root_pid: int) -> list[psutil.Process]:
+    """The server, its descendants and anything else in its process group."""
+    root = psutil.Process(root_pid)
+    found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == root_pid:
+                found.setdefault(proc.pid, proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return list(found.values())
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {proc.name()} {' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return f"{proc.pid} (gone)"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_leaves_no_process_behind(one_slot_smollm2: LocalTriton) -> None:
+    """LocalTriton.stop (what `qosgate up` and `make run` do on Ctrl-C) on a vLLM server:
+    last in this module, it ends the one-slot server."""
+    server = one_slot_smollm2
+    assert server.pid is not None
+    tree = _process_tree(server.pid)
+    names = [_describe(p) for p in tree]
+    # vLLM's engine runs in processes of its own: the ones that used to outlive
+    # a killed tritonserver.
+    assert any("EngineCore" in name for name in names), names
+    assert any("triton_python_backend_stub" in name for name in names), names
+    # Its worker computes on the CPUs given, and on no other.
+    workers = [p for p in tree if "VLLM::Worker" in p.name()]
+    assert workers and all(set(p.cpu_affinity()) == {LAST_CPU} for p in workers), names
+    server.stop()
+    # multiprocessing's resource tracker ignores SIGTERM and leaves when its parent's pipe
+    # closes: give such helpers a bounded moment to see their parents gone.
+    deadline = time.monotonic() + 10
+    while (leftovers := [_describe(p) for p in tree if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers == []
