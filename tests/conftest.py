@@ -85,17 +85,42 @@ def test_models() -> list[str]:
     return [m.strip() for m in raw.split(",") if m.strip()]
 
 
-@pytest.fixture(scope="session")
-def triton(tmp_path_factory: pytest.TempPathFactory) -> LocalTriton:
-    """A real tritonserver on free loopback ports serving the test models."""
+# The session's tritonserver, started as soon as the tests are collected (see below).
+_session_triton: list[LocalTriton] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the session's tritonserver once the tests are collected, if any of them uses
+    it: its start-up (30-40 s, vLLM's engine the most of it) then runs beside the unit
+    tests, which run first (`testpaths`), instead of holding up the first test that needs
+    it. The `triton` fixture waits for it to be ready."""
+    if session.config.option.collectonly:
+        return
+    if not any("triton" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
     ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
-    server = LocalTriton(
-        models=test_models(),
-        ports=ports,
-        log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log",
-    )
-    with started_then_killed(server):
+    # The fixture's own temporary directory (pytest's basetemp), where tmp_path_factory puts it.
+    log_dir = session.config._tmp_path_factory.mktemp("triton")  # noqa: SLF001
+    server = LocalTriton(models=test_models(), ports=ports, log_path=log_dir / "tritonserver.log")
+    server.start()
+    _session_triton.append(server)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Where no test got to use it (all deselected by a failure with -x, an interrupt).
+    for server in _session_triton:
+        kill_triton(server)
+
+
+@pytest.fixture(scope="session")
+def triton() -> Iterator[LocalTriton]:
+    """A real tritonserver on free loopback ports serving the test models."""
+    (server,) = _session_triton
+    try:
+        server.wait_ready()
         yield server
+    finally:
+        kill_triton(server)
 
 
 def shared_memory_of(pgid: int) -> set[pathlib.Path]:
