@@ -156,7 +156,7 @@ def kill_triton(server: LocalTriton) -> None:
 @contextlib.contextmanager
 def started_then_killed(server: LocalTriton) -> Iterator[LocalTriton]:
     """`with server:` for a test's own tritonserver whose stop is not what the test checks
-    (test_launcher checks that): ready on entry, killed on the way out. A polite stop
+    (test_smollm2's last test checks that): ready on entry, killed on the way out. A polite stop
     waits out Triton's exit timeout and vLLM's engine shutdown, 5-25 s a server."""
     server.start()
     try:
