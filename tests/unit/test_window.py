@@ -12,6 +12,7 @@ from qosgate.scheduler.window import (
     IDLE_RESTART_S,
     INTERVAL_S,
     FAIR_MARGIN,
+    SHARE_GAIN,
     FairCaps,
     FairPart,
     Pressure,
@@ -308,8 +309,10 @@ def test_a_tenant_served_short_of_its_share_gets_a_larger_part_until_it_is_not()
         served["light"] += 100 * (1 - heavy_share)
         served["heavy"] += 100 * heavy_share
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand("light", 1.0, 32, ended_s=i * 10.0, ended_cost=served["light"], charged=served["light"]),
-            TenantDemand("heavy", 3.0, 32, ended_s=i * 30.0, ended_cost=served["heavy"], charged=served["heavy"])]})
+            TenantDemand("light", 1.0, 32, ended_s=i * 10.0, ended_cost=served["light"], charged=served["light"],
+                         dispatched=i * 100),
+            TenantDemand("heavy", 3.0, 32, ended_s=i * 30.0, ended_cost=served["heavy"], charged=served["heavy"],
+                         dispatched=i * 300)]})
 
     c.decide(0.0, at(0, 0.75))
     # Heavy gets 0.6 of the service where its weight says 0.75: 20% short. Its part grows
@@ -328,6 +331,29 @@ def test_a_tenant_served_short_of_its_share_gets_a_larger_part_until_it_is_not()
     c.decide(400 * INTERVAL_S, at(400, 0.75))
     caps = c.fair[STANDARD].tenants
     assert caps["heavy"] / (caps["heavy"] + caps["light"]) == pytest.approx(settled, abs=0.05)
+
+
+def test_a_share_measured_on_few_dispatches_moves_the_correction_by_less() -> None:
+    # Two tenants short of their share alike, one's service counted over 300 dispatches an
+    # interval (an embedding model), the other's over one (a small part of an LLM engine,
+    # its generations seconds long): which of the second's requests happened to end in an
+    # interval is most of what its share shows, and a full correction on it is a random walk.
+    def correction(dispatched_per_interval: int) -> float:
+        c = controller(window=64)
+        c.slow_start = False
+        for i in range(4):
+            # light 10 and heavy 300 units of service an interval: 3% where its weight says 25%.
+            c.decide(i * INTERVAL_S, Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
+                TenantDemand("light", 1.0, 32, ended_s=i * 1.0, ended_cost=i * 10.0, charged=i * 10.0,
+                             dispatched=i * dispatched_per_interval),
+                TenantDemand("heavy", 3.0, 32, ended_s=i * 30.0, ended_cost=i * 300.0, charged=i * 300.0,
+                             dispatched=i * 30 * dispatched_per_interval)]}))
+        return c._tenants[(STANDARD, "light")].correction
+
+    many, few = correction(300), correction(1)
+    shortfall = (0.25 - 10 / 310) / 0.25
+    assert many == pytest.approx((1 + SHARE_GAIN * shortfall) ** 3)
+    assert 1.0 < few < 1.0 + (many - 1.0) / 4
 
 
 def lower(c: WindowController) -> int:
@@ -554,7 +580,8 @@ def test_when_who_competes_changes_the_shares_start_over() -> None:
             served[name] += rate
         weights = {"light": 1.0, "medium": 2.0, "heavy": 4.0}
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand(name, weights[name], 32, ended_s=i * 3.2, ended_cost=served[name], charged=served[name])
+            TenantDemand(name, weights[name], 32, ended_s=i * 3.2, ended_cost=served[name], charged=served[name],
+                         dispatched=i * 100)
             for name in rates]})
 
     # Heavy away: light and medium share 1:2, each its share, the corrections at rest.
@@ -574,7 +601,8 @@ def test_a_reload_that_changes_weights_starts_the_shares_over() -> None:
 
     def at(i: int, weights: dict[str, float], served: dict[str, float]) -> Pressure:
         return Pressure(limited=False, idle=False, share={STANDARD: 1.0}, tenants={STANDARD: [
-            TenantDemand(name, weight, 32, ended_s=i * 3.2, ended_cost=served[name] * i, charged=served[name] * i)
+            TenantDemand(name, weight, 32, ended_s=i * 3.2, ended_cost=served[name] * i, charged=served[name] * i,
+                         dispatched=i * 100)
             for name, weight in weights.items()]})
 
     # At 1:1, x served a third: its correction grows.

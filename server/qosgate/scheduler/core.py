@@ -140,6 +140,8 @@ class _TenantQueue:
     # what they reported charging it, as last taken into its tags.
     charged: float = 0.0
     remote: float = 0.0
+    # Requests dispatched so far: how many the charged service was measured on.
+    dispatched: int = 0
 
     def head(self) -> Waiter:
         waiters = self.waiters
@@ -573,6 +575,7 @@ class SchedulingCore:
         tenant = klass.tenant(waiter)
         tenant.in_flight += 1
         tenant.charged += waiter.cost
+        tenant.dispatched += 1
         waiter.dispatched_at = now
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] = self._tenant_tokens.get(waiter.tenant, 0) + waiter.tokens
@@ -685,6 +688,7 @@ class SchedulingCore:
                             ended_cost=queue.ended_cost,
                             charged=queue.charged,
                             elsewhere=queue.remote,
+                            dispatched=queue.dispatched,
                         )
                     )
             if outstanding:

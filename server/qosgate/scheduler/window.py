@@ -97,11 +97,14 @@ COMPETING_STAY = 0.2
 # Each competing tenant's part follows what it really got: a part is multiplied by a
 # correction that moves by SHARE_GAIN of the tenant's relative shortfall (or excess) from
 # its weight's share of the recent service, per interval (the service is summed over some
-# twenty intervals: a full correction each would overshoot), within CORRECTION_RANGE.
+# twenty intervals: a full correction each would overshoot), within CORRECTION_RANGE; by
+# less while that sum covers fewer than CORRECTION_DISPATCHES of its dispatches (a small
+# part of an LLM engine, whose generations take seconds, just started).
 # What occupancy cannot see (answers that come back together, callers' turnaround,
 # rounding a small part to whole requests) it corrects.
 SHARE_GAIN = 0.05
 CORRECTION_RANGE = (0.2, 5.0)
+CORRECTION_DISPATCHES = 20.0
 # Outstanding requests are smoothed over intervals: a closed loop's count dips while its
 # answers travel back to the caller.
 DEMAND_SMOOTHING = 0.5
@@ -150,6 +153,8 @@ class TenantDemand:
     its service as fair share counts it, without waiting for long requests to end."""
     elsewhere: float = 0.0
     """Cost charged to it at the other gateways sharing Redis so far."""
+    dispatched: int = 0
+    """Requests dispatched to it here so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,15 +288,16 @@ class _TenantTrack:
     """A tenant's outstanding requests and occupancy, smoothed over intervals."""
 
     __slots__ = (
-        "_charged", "_ended", "_ended_cost", "_ended_cost_was", "_ended_was", "_span", "correction", "outstanding",
-        "residual", "service",
+        "_charged", "_dispatched", "_ended", "_ended_cost", "_ended_cost_was", "_ended_was", "_span", "correction",
+        "dispatches", "outstanding", "residual", "service",
     )
 
     def __init__(self, first: TenantDemand) -> None:
         self.outstanding = float(first.outstanding)
         self._ended_was, self._ended_cost_was = first.ended_s, first.ended_cost
         self._charged = first.charged + first.elsewhere
-        self._ended = self._ended_cost = self.service = self._span = 0.0
+        self._dispatched = first.dispatched
+        self._ended = self._ended_cost = self.service = self._span = self.dispatches = 0.0
         self.correction = 1.0
         # Of its part, the fraction of a request its whole-request caps have not given yet.
         self.residual = 0.0
@@ -306,7 +312,9 @@ class _TenantTrack:
         # How many intervals `service` sums, decayed alike: a tenant back after a pause
         # has its rate compared, not a sum over a shorter past.
         self._span = SERVICE_DECAY * self._span + 1.0
+        self.dispatches = SERVICE_DECAY * self.dispatches + max(0, now.dispatched - self._dispatched)
         self._ended_was, self._ended_cost_was, self._charged = now.ended_s, now.ended_cost, charged
+        self._dispatched = now.dispatched
 
     def part(self, tenant: TenantDemand) -> FairPart:
         occupancy = self._ended / self._ended_cost if self._ended_cost > 0 else None
@@ -315,12 +323,16 @@ class _TenantTrack:
 
     def start_over(self) -> None:
         """Forget the service it got and what that taught (see `_fair_cap`)."""
-        self.service = self._span = 0.0
+        self.service = self._span = self.dispatches = 0.0
         self.correction = 1.0
 
     def correct(self, shortfall: float) -> None:
         low, high = CORRECTION_RANGE
-        self.correction = min(high, max(low, self.correction * (1.0 + SHARE_GAIN * shortfall)))
+        # A share measured on a few dispatches is mostly which requests happened to end
+        # (a tenant with a small part of a slow engine may see none end in an interval):
+        # trusted in proportion to how many it sums, up to CORRECTION_DISPATCHES.
+        gain = SHARE_GAIN * min(1.0, self.dispatches / CORRECTION_DISPATCHES)
+        self.correction = min(high, max(low, self.correction * (1.0 + gain * shortfall)))
 
     def whole(self, part: float) -> int:
         """`part` requests as a whole number, the fractions carried over so that over time
