@@ -116,11 +116,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def triton() -> Iterator[LocalTriton]:
     """A real tritonserver on free loopback ports serving the test models."""
     (server,) = _session_triton
-    try:
-        server.wait_ready()
+    with ready_then_killed(server):
         yield server
-    finally:
-        kill_triton(server)
 
 
 def shared_memory_of(pgid: int) -> set[pathlib.Path]:
@@ -154,16 +151,21 @@ def kill_triton(server: LocalTriton) -> None:
 
 
 @contextlib.contextmanager
-def started_then_killed(server: LocalTriton) -> Iterator[LocalTriton]:
-    """`with server:` for a test's own tritonserver whose stop is not what the test checks
-    (test_smollm2's last test checks that): ready on entry, killed on the way out. A polite stop
-    waits out Triton's exit timeout and vLLM's engine shutdown, 5-25 s a server."""
-    server.start()
+def ready_then_killed(server: LocalTriton) -> Iterator[LocalTriton]:
+    """A started tritonserver whose stop is not what the test checks (test_smollm2's last
+    test checks that): ready on entry, killed on the way out. A polite stop waits out
+    Triton's exit timeout and vLLM's engine shutdown, 5-25 s a server."""
     try:
         server.wait_ready()
         yield server
     finally:
         kill_triton(server)
+
+
+def started_then_killed(server: LocalTriton) -> contextlib.AbstractContextManager[LocalTriton]:
+    """`with server:` for a test's own tritonserver, killed on the way out (ready_then_killed)."""
+    server.start()
+    return ready_then_killed(server)
 
 
 def require_model(name: str) -> None:
