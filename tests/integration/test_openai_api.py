@@ -186,13 +186,21 @@ def test_a_request_has_the_time_its_timeout_header_gives_it(gateway: GatewayThre
     assert client(gateway).chat.completions.create(**chat, extra_headers={"x-stainless-timeout": "60"}).choices  # type: ignore[call-overload]
 
 
-def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out(gateway: GatewayThread) -> None:
+def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out(
+    gateway: GatewayThread, triton: LocalTriton
+) -> None:
     sdk = client(gateway, METERED_KEY)
     # A long generation holds its reservation (prompt + 400 of the 600 tokens a minute)
-    # while it runs; a request needing ~270 more does not fit in what is left.
+    # while it runs; a request needing ~270 more does not fit in what is left, and the
+    # bucket needs ~9 s to refill that. An earlier test's requests still in the engine
+    # would delay the first token by those seconds, and the SDK's first attempt below
+    # would fit: start from an idle engine.
+    engine_idle(triton, "an earlier request never left the engine")
+    started = time.monotonic()
     held = sdk.completions.create(model="smollm2", prompt=COUNTING_PROMPT, max_tokens=400, temperature=0, stream=True)
     try:
         next(iter(held))
+        first_token_s = time.monotonic() - started
         request = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 240}
         with pytest.raises(openai.RateLimitError) as refused:
             client(gateway, METERED_KEY, max_retries=0).chat.completions.create(**request)  # type: ignore[call-overload]
@@ -219,7 +227,8 @@ def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out
     finally:
         held.close()
     assert "Paris" in (reply.choices[0].message.content or "")
-    assert len(attempts) >= 2 and 0 < told_ms[0] <= retry_after_ms
+    assert len(attempts) >= 2, f"not refused, {attempts[0] - started:.1f} s after the held request (first token {first_token_s:.1f} s)"
+    assert 0 < told_ms[0] <= retry_after_ms
     assert attempts[1] - attempts[0] >= 0.9 * told_ms[0] / 1000 - 0.5
 
 
