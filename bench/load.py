@@ -262,12 +262,14 @@ Send = Callable[[], Awaitable[Outcome]]
 
 
 async def closed_loop(send: Send, concurrency: int, until: float, now: Callable[[], float],
-                      retry_pause: float = 0.01) -> list[Outcome]:
+                      retry_pause: float = 0.01, stagger: float = 0.0) -> list[Outcome]:
     """`concurrency` workers, each sending its next request when the previous one ends,
-    or `retry_pause` seconds after it was refused."""
+    or `retry_pause` seconds after it was refused; with `stagger`, their first requests
+    spread evenly over that many seconds instead of all at once."""
     outcomes: list[Outcome] = []
 
-    async def worker() -> None:
+    async def worker(delay: float) -> None:
+        await asyncio.sleep(delay)
         while now() < until:
             outcome = await send()
             outcomes.append(outcome)
@@ -276,7 +278,7 @@ async def closed_loop(send: Send, concurrency: int, until: float, now: Callable[
                 # back-off would at minimum; 0 is a hostile caller's tight loop.
                 await asyncio.sleep(retry_pause)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(i * stagger / concurrency) for i in range(concurrency)))
     return outcomes
 
 
