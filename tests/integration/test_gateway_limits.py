@@ -157,6 +157,44 @@ def test_one_stream_over_max_streams_is_refused_with_retry_info(channel) -> None
             again.close()
 
 
+async def _refused_as_they_open(url: str, raw: bytes, calls: int) -> collections.Counter[str]:
+    """`calls` ModelStreamInfer calls at once through grpcio's asyncio client, each
+    writing one request as soon as it is opened and half-closing (tritonclient's aio
+    stream_infer does the same): the codes they end with."""
+    codes: collections.Counter[str] = collections.Counter()
+
+    async def one(channel: grpc.aio.Channel) -> None:
+        call = channel.stream_stream(STREAM)(metadata=auth(ACME_KEY), timeout=30)
+        try:
+            await call.write(raw)
+            await call.done_writing()
+            async for _ in call:
+                pass
+            codes["OK"] += 1
+        except grpc.aio.AioRpcError as e:
+            codes[e.code().name] += 1
+
+    async with grpc.aio.insecure_channel(url) as channel:
+        await asyncio.gather(*(one(channel) for _ in range(calls)))
+    return codes
+
+
+def test_streams_refused_as_they_open_reach_an_asyncio_client_with_their_status(channel, gateway) -> None:
+    """A stream refused before its caller half-closed used to be answered at once, and
+    grpcio's asyncio client turned the write or half-close it made after that answer
+    into INTERNAL "Internal error from Core" (grpc/grpc#36066): 431 of some 3,000
+    refusals of a flood through the gateway read INTERNAL instead of RESOURCE_EXHAUSTED."""
+    streams = [OpenStream(channel, ACME_KEY) for _ in range(2)]
+    try:
+        for i, stream in enumerate(streams):  # the tenant's two streams are open
+            assert stream.roundtrip(f"s{i}").infer_response.id == f"s{i}"
+        codes = asyncio.run(_refused_as_they_open(gateway.url, identity_request(4, "r"), calls=200))
+    finally:
+        for stream in streams:
+            stream.close()
+    assert codes == {"RESOURCE_EXHAUSTED": 200}, codes
+
+
 async def _closed_loop_streams(url: str, raw: bytes, *, streams: int, seconds: float) -> collections.Counter[str]:
     """`streams` callers, each opening ModelStreamInfer streams one after another and
     sending on each until it ends (deadlines of 20-300 ms: most end at their deadline,

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A call answered before its caller half-closed waits this long at most for the half-close
+# before its answer goes out (see `ServerStream._finish`).
+ANSWER_HOLD_S = 0.25
+
 # The status fields a handler returns for a call that succeeded.
 OK_STATUS: Sequence[http2.Header] = ((b"grpc-status", b"0"),)
 _RESPONSE = [(b":status", b"200"), (b"content-type", b"application/grpc")]
@@ -39,7 +43,7 @@ class ServerStream:
 
     __slots__ = (
         "_down", "stream_id", "headers", "_inbox", "_writer", "_responded", "finished",
-        "_deadline", "_timer", "_task", "_charged",
+        "_deadline", "_timer", "_task", "_charged", "_client_done", "_held", "_hold",
     )  # fmt: skip
 
     def __init__(
@@ -55,6 +59,10 @@ class ServerStream:
         self._responded = False
         self.finished = False
         self._charged = 0  # bytes of an incomplete message counted against the connection's bound
+        self._client_done = False  # the caller half-closed
+        # An answer held for the caller's half-close (`_finish`), and its timer.
+        self._held: Sequence[http2.Header] | None = None
+        self._hold: asyncio.TimerHandle | None = None
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         timeout = http2.header(headers, b"grpc-timeout")
@@ -109,6 +117,10 @@ class ServerStream:
     # -- the relay's events ---------------------------------------------------------------
 
     def client_data(self, data: bytes, end_stream: bool) -> None:
+        if end_stream:
+            self._client_done = True
+            if self._held is not None:
+                self._answer_held()
         inbox = self._inbox
         inbox.feed(data, end_stream)
         held = inbox.held
@@ -120,9 +132,11 @@ class ServerStream:
             self._uncharge()
 
     def client_reset(self, error_code: int) -> None:
+        self._drop_held()
         self._end()
 
     def client_closed(self) -> None:
+        self._drop_held()
         self._end()
 
     # -- ends -------------------------------------------------------------------------------
@@ -138,16 +152,44 @@ class ServerStream:
         self._finish(trailers)
 
     def _finish(self, trailers: Sequence[http2.Header]) -> None:
-        """Answer the call with `trailers` (a status), unless it is over already."""
+        """Answer the call with `trailers` (a status), unless it is over already.
+
+        A call refused before it responded and before its caller half-closed (as a
+        ModelStreamInfer stream opens, say) is over at once, but its answer waits for the
+        half-close, ANSWER_HOLD_S at most: the answer ends the stream at both ends (the
+        HTTP/2 layer resets the caller's side), and grpcio's asyncio client reports a
+        write or half-close that it makes after that as INTERNAL "Internal error from
+        Core", in place of the status it was sent (grpc/grpc#36066). A caller refused
+        for its quota or its key would read INTERNAL, and not know to wait or to stop."""
         if self.finished:
             return
+        if not self._responded and not self._client_done:
+            self._held = trailers
+            self._hold = self._down.relay.loop.call_later(ANSWER_HOLD_S, self._answer_held)
+            self._end()
+            return
+        self._answer(trailers)
+        self._end()
+
+    def _answer(self, trailers: Sequence[http2.Header]) -> None:
         down = self._down
         if self._responded:
             down.h2.send_trailers(self.stream_id, trailers)
         else:
             down.h2.send_response(self.stream_id, [*_RESPONSE, *trailers], end_stream=True)
         down.touch()
-        self._end()
+
+    def _answer_held(self) -> None:
+        held = self._held
+        self._drop_held()
+        if held is not None:
+            self._answer(held)
+
+    def _drop_held(self) -> None:
+        self._held = None
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
 
     def _handled(self, task: asyncio.Task[None]) -> None:
         # The stream lets go of its finished task (whose frames refer to the stream).
