@@ -124,6 +124,7 @@ class Load:
 
     def __init__(self, targets: dict[int, str]) -> None:
         self.tally = Tally()
+        self.window = (0.0, 0.0)  # the last window shares_over counted
         self._targets = targets
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
@@ -141,9 +142,15 @@ class Load:
         self._thread.join(timeout=60)
 
     def shares_over(self, seconds: float) -> dict[str, int]:
-        start = time.monotonic()
+        self.window = (time.monotonic(), time.monotonic() + seconds)
         time.sleep(seconds)
-        return self.tally.between(start, time.monotonic())
+        return self.tally.between(*self.window)
+
+    def x_share_by_5_s(self) -> list[float]:
+        """x's share in each 5 s of the last window, to tell a drift from an excursion."""
+        start, end = self.window
+        counts = [self.tally.between(start + i, min(end, start + i + 5.0)) for i in range(0, int(end - start), 5)]
+        return [round(c["x"] / max(1, c["x"] + c["y"]), 3) for c in counts]
 
 
 @pytest.fixture
@@ -180,7 +187,7 @@ def test_shares_follow_the_weights_not_the_ingress_skew(cluster: tuple[GatewayPr
         time.sleep(WARM_UP_S)
         weighted = load.shares_over(MEASURE_S)
     total = weighted["x"] + weighted["y"]
-    assert weighted["x"] / total == pytest.approx(0.2, rel=0.1), weighted
+    assert weighted["x"] / total == pytest.approx(0.2, rel=0.1), (weighted, load.x_share_by_5_s())
     assert weighted["y"] / total == pytest.approx(0.8, rel=0.1), weighted
     assert load.tally.failed == {1: [], 2: []}
 
