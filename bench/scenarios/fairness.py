@@ -4,9 +4,10 @@
   flight, through qosgate with no `models:` entry (the `auto` dispatch window), and the
   same load with each fixed window of `MINILM_WINDOWS`; auto runs first and again last,
   so the machine's drift spreads over every configuration, and its figures are the mean
-  of the two. An uncounted run through the largest fixed window warms the engine first. Per configuration: served calls per second, the shares, the worst relative
-  deviation from the weights and Jain's index on weight-normalised shares. The last auto
-  run goes on with the heaviest tenant stopped, then back.
+  of the two; an uncounted run through the largest fixed window warms the engine first.
+  Per configuration: served calls per second, the shares, the worst relative deviation
+  from the weights and Jain's index on weight-normalised shares. The last auto run goes
+  on with the heaviest tenant stopped, then back.
 - smollm2: the same in tokens: 32 GenerateStream calls per tenant, shares counted in
   token service (prompt + 2 x completion tokens), throughput in generated tokens per
   second, against the fixed windows of `SMOLLM2_WINDOWS`.

@@ -142,7 +142,8 @@ class Load:
         self._thread.join(timeout=60)
 
     def shares_over(self, seconds: float) -> dict[str, int]:
-        self.window = (time.monotonic(), time.monotonic() + seconds)
+        start = time.monotonic()
+        self.window = (start, start + seconds)
         time.sleep(seconds)
         return self.tally.between(*self.window)
 
