@@ -109,14 +109,20 @@ def test_no_limit_within_the_tolerance() -> None:
     assert not view.limits
 
 
-def test_no_limit_for_a_competitor_this_gateway_orders_itself() -> None:
-    # y is queued here too: this gateway's own order by tags serves it first already.
+def test_a_limit_does_not_come_and_go_with_the_competitor_queued_here_or_not() -> None:
+    # y's closed loops here are nearly all in flight: one waits in most reports, none in
+    # the others. Its service over the cluster is what counts, so the limit on x, 4x ahead
+    # of it per unit of weight, holds in every report and only tightens.
     sharer = ClusterShare(SHARE)
-    for i in range(40):
+    limits = []
+    for i in range(100):
         t = 0.1 * (i + 1)
-        view = sharer.view(t, report(share("x", 1, 100 * t, 32, 20), share("y", 4, 50 * t, 16, 4), window=32),
+        y_here = share("y", 4, 50 * t, 16, 0 if i % 5 == 0 else 1)
+        view = sharer.view(t, report(share("x", 1, 100 * t, 32, 20), y_here, window=32),
                            [report(share("y", 4, 50 * t, 16, 0), window=32)])
-    assert not view.limits
+        limits.append(view.limits.get(("m", STANDARD, "x")))
+    settled = limits[int(RATE_WARMUP_S / 0.1) + 2:]
+    assert None not in settled and settled == sorted(settled, reverse=True), limits
 
 
 def test_no_limit_for_a_competitor_served_nothing() -> None:

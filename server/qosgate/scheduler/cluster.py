@@ -11,12 +11,15 @@ others' reports a gateway takes three things:
   move by what it got elsewhere since the last report, as if served here. So a tenant
   that sends to every gateway and one that sends to one get the same share: the
   gateway that sees both gives the second what the first gets elsewhere.
-- Holds. Ordering cannot help a tenant that is not queued at this gateway at all: when a
-  competing tenant elsewhere is served below its weight (its recent service per unit of
-  weight more than HOLD_TOLERANCE below this one's), this gateway limits what the tenants
-  ahead of it may have in flight here, in proportion to how far ahead they are. The
-  engine's capacity they leave is what the other gateway's window grows into: its window
-  is full and the engine no longer saturated.
+- Holds. Ordering cannot help a tenant whose calls wait at another gateway, nor one whose
+  calls here are all in flight already: when a competing tenant is served below its
+  weight over the cluster (its recent service per unit of weight more than
+  HOLD_TOLERANCE below another's), this gateway limits what the tenants ahead of it may
+  have in flight here, in proportion to how far ahead they are. The engine's capacity
+  they leave goes to the tenant's calls queued here, or is what the other gateway's
+  window grows into (its window is full and the engine no longer saturated). Whether it
+  is queued here says nothing: under a closed loop that changes from one report to the
+  next.
 - Tokens in flight, for `max_inflight_tokens` over the cluster.
 
 With no report from anyone else (alone, or Redis unreachable) all three are empty, and
@@ -202,7 +205,6 @@ class ClusterShare:
     ) -> dict[tuple[str, int, str], int]:
         in_flight = {(s.model, s.level, s.tenant): s.outstanding - s.queued for s in local.tenants if s.outstanding}
         outstanding = {(s.model, s.level, s.tenant): s.outstanding for s in local.tenants}
-        queued_here = {(s.model, s.level, s.tenant) for s in local.tenants if s.queued}
         ratios: dict[tuple[str, int, str], float] = {}
         for (model, level), parts in self._classes(merged).items():
             found = fair_edge(parts, max(1.0, windows.get(model, 0) * self.share.get(level, 1.0)))
@@ -215,16 +217,13 @@ class ClusterShare:
                     break
                 normalized[part.name] = rate / part.weight
             else:
-                # Only a competitor this gateway cannot reach by its order (not queued here)
-                # and that is served at all (one served nothing is stuck for some other
-                # reason, which holding the engine idle would not mend).
-                starved = [n for n, r in normalized.items() if (model, level, n) not in queued_here and r > 0]
-                if not starved:
-                    continue
-                floor = min(normalized[n] for n in starved)
+                # Each tenant here against the least served of the others. Only a competitor
+                # served at all counts: one served nothing is stuck for some other reason,
+                # which holding the engine idle would not mend.
                 for name, rate in normalized.items():
-                    if (model, level, name) in in_flight:
-                        ratios[(model, level, name)] = rate / floor
+                    others = [r for n, r in normalized.items() if n != name and r > 0]
+                    if others and (model, level, name) in in_flight:
+                        ratios[(model, level, name)] = rate / min(others)
         due = now - self._limited_at >= LIMIT_INTERVAL_S
         if due:
             self._limited_at = now
