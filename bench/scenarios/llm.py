@@ -2,7 +2,8 @@
 through each of qosgate's ways in, side by side: KServe ModelStreamInfer (the same client
 as straight at Triton), qosgate.v1 GenerateStream, and the OpenAI-compatible HTTP API
 (streamed /v1/completions). Output tokens/s, time to first token and inter-token latency;
-at the top concurrency each way's tokens/s and TTFT p50 against direct's.
+at the top concurrency each way's tokens/s and TTFT p50 against direct's, and the same
+load through nginx grpc_pass: what one bare proxy hop costs on this machine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ KSERVE = "qosgate"
 V1 = "qosgate v1"
 HTTP = "qosgate HTTP"
 WAYS = (KSERVE, V1, HTTP)
+HOP = "nginx"
 TENANTS = [{"name": "llm", "api_keys": [{"key": API_KEY}]}]
 # Each point's first seconds are not counted. Its streams start spread over the first
 # STAGGER_S of them: streams of one length that start together end together, and their
@@ -143,7 +145,9 @@ def run(ctx: RunContext) -> ScenarioResult:
              "ships it (the auto window).",
              f"{V1}: the same prompt as qosgate.v1 GenerateStream; {HTTP}: as streamed /v1/completions "
              "through the OpenAI API (no ignore_eos in either: a stream may end early, which its "
-             "tokens/s would show)."]
+             "tokens/s would show).",
+             f"{HOP}: the KServe load through nginx grpc_pass (1 worker, upstream keepalive) at the top "
+             "concurrency, the client straight at Triton's: what one bare proxy hop costs here."]
     points: list[Point] = []
     found: profile.Profile | None = None
     with checked(Stack(models=[MODEL])) as stack:
@@ -155,12 +159,16 @@ def run(ctx: RunContext) -> ScenarioResult:
             targets.append((HTTP, stack.gateway_openai_url, load.Caller(HTTP, api_key=API_KEY)))
         else:
             notes.append("qosgate serve is not available in this checkout: gateway half not measured.")
+        # A bare hop (C, no policy) with the direct client, at the top concurrency only.
+        hop = (HOP, stack.start_nginx(), load.Caller(HOP))
+        top_targets = [targets[0], hop, *targets[1:]]
         # The aim's level runs in forward and reverse order (A B B A), so a drift of the
         # shared machine during the pair does not favour either target; the quick run's
         # shorter points run two such pairs (one 10 s point of a target reads 10% apart
         # from the next on this machine).
         pairs = ctx.pick(2, 1)
-        rounds = [(c, targets) for c in levels[:-1]] + [(levels[-1], targets), (levels[-1], targets[::-1])] * pairs
+        rounds = [(c, targets) for c in levels[:-1]]
+        rounds += [(levels[-1], top_targets), (levels[-1], top_targets[::-1])] * pairs
         for concurrency, ordered in rounds:
             for name, url, caller in ordered:
                 stack.wait_idle(MODEL)
@@ -179,7 +187,16 @@ def run(ctx: RunContext) -> ScenarioResult:
     direct = [p for p in points if p.target == "direct" and p.concurrency == top]
     direct_tps = statistics.fmean(p.tokens_per_s() for p in direct)
     direct_ttft = percentile([t for p in direct for t in p.ttft_ms()], 50)
-    figures: list[Figure] = []
+    hops = [p for p in points if p.target == HOP]
+    hop_tps = statistics.fmean(p.tokens_per_s() for p in hops)
+    hop_ttft = percentile([t for p in hops for t in p.ttft_ms()], 50)
+    bare = f"through {HOP} grpc_pass (a bare hop) / direct, concurrency {top}"
+    figures: list[Figure] = [
+        Figure(f"tokens/s {bare}", 100 * hop_tps / direct_tps, "%",
+               reference=f"direct {direct_tps:.1f} tokens/s, {HOP} {hop_tps:.1f}"),
+        Figure(f"TTFT p50 {bare}", 100 * hop_ttft / direct_ttft, "%",
+               reference=f"direct {direct_ttft:.0f} ms, {HOP} {hop_ttft:.0f} ms"),
+    ]
     # Streams of one length (ignore_eos) through KServe: the streams/s that config/demo.yaml's
     # settings let through, against Triton's own.
     kserve = [p for p in points if p.target == KSERVE and p.concurrency == top]
@@ -198,7 +215,8 @@ def run(ctx: RunContext) -> ScenarioResult:
                                   "" if tps is None else f", {way} {tps:.1f} (mean of {len(runs)} interleaved runs each)")))
         figures.append(Figure(f"TTFT p50 through {way} / direct, concurrency {top}",
                               None if ttft is None else 100 * ttft / direct_ttft, "%", Aim("<=", 105.0),
-                              reference=f"direct {direct_ttft:.0f} ms" + ("" if ttft is None else f", {way} {ttft:.0f} ms")))
+                              reference=f"direct {direct_ttft:.0f} ms, {HOP} {hop_ttft:.0f} ms" + (
+                                  "" if ttft is None else f", {way} {ttft:.0f} ms")))
         # On this machine the engine and the gateway share two cores: what the gateway
         # spends per token is taken from the engine, and reads steadier than tokens/s.
         cpu = [c for p in runs if (c := p.gateway_us_per_token()) is not None]
@@ -214,7 +232,7 @@ def run(ctx: RunContext) -> ScenarioResult:
 
 def draw(points: list[Point], path: pathlib.Path) -> None:
     fig, (tps, ttft, itl) = plots.panels(3)
-    for target in ("direct", *WAYS):
+    for target in ("direct", HOP, *WAYS):
         firsts = {p.concurrency: p for p in reversed(points) if p.target == target}
         mine = [firsts[c] for c in sorted(firsts)]
         if not mine:
