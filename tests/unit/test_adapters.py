@@ -21,8 +21,9 @@ from qosgate import paths
 from qosgate.adapters import adapter_for
 from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
 from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Role, Sampling
+from qosgate.adapters.tensors import TensorReader
 from qosgate.adapters.tokenizer import TokenizerNotFound, find_tokenizer, tokenizer_counter
-from qosgate.errors import InvalidArgument
+from qosgate.errors import Internal, InvalidArgument
 
 
 def _inputs(request: service_pb2.ModelInferRequest) -> dict[str, tuple[str, list[int], np.ndarray]]:
@@ -103,6 +104,40 @@ def test_vllm_finish_reasons_map_and_cancel_counts_what_was_seen() -> None:
     assert last.finish_reason is FinishReason.LENGTH and last.usage.completion_tokens == 2
     aborted = adapter_for("vllm").decoder(REQUEST, prompt_tokens_estimate=5)
     assert aborted.feed(_response(final=True, finish_reason="abort")).finish_reason is FinishReason.CANCELLED
+
+
+def test_tensor_reader_reads_raw_and_typed_contents_alike() -> None:
+    response = service_pb2.ModelInferResponse()
+    raw = serialize_byte_tensor(np.array(["é", "", "two"], dtype=np.object_)).item()
+    for name, datatype, contents in (
+        ("texts", "BYTES", raw),
+        ("ints", "INT64", np.array([-3, 2**40], dtype=np.int64).tobytes() + b"\x01"),  # a stray byte
+        ("flags", "BOOL", b"\x01\x00"),
+    ):
+        response.outputs.add(name=name, datatype=datatype, shape=[1])
+        response.raw_output_contents.append(contents)
+    typed = response.outputs.add(name="typed", datatype="FP32", shape=[2])
+    typed.contents.fp32_contents.extend([0.5, 2.0])
+    reader = TensorReader(response)
+    assert reader.strings("texts") == ["é", "", "two"]
+    assert reader.first_string("texts") == "é"
+    assert reader.numbers("ints") == [-3, 2**40]  # whole elements only
+    assert reader.first_int("ints") == -3
+    assert reader.numbers("flags") == [True, False]
+    assert reader.numbers("typed") == [0.5, 2.0]  # no raw contents at its index
+    assert reader.strings("absent") is None and reader.first_int("absent") is None
+
+
+def test_tensor_reader_names_a_truncated_element_and_an_unexpected_type() -> None:
+    response = service_pb2.ModelInferResponse()
+    response.outputs.add(name="text", datatype="BYTES", shape=[2])
+    response.raw_output_contents.append(struct.pack("<I", 2) + b"ok" + b"\x05\x00")
+    reader = TensorReader(response)
+    assert reader.first_string("text") == "ok"  # the first element is whole
+    with pytest.raises(Internal, match="'text': truncated BYTES element"):
+        reader.strings("text")
+    with pytest.raises(Internal, match="'text': unexpected datatype BYTES"):
+        reader.numbers("text")
 
 
 def test_trtllm_request_follows_the_ensemble_contract() -> None:

@@ -16,15 +16,17 @@ from tritonclient.grpc import service_pb2
 
 from qosgate.errors import Internal
 
-# datatype -> (struct format of one element, typed-contents field name)
+# datatype -> (the struct of one element, typed-contents field name)
 _NUMERIC = {
-    "BOOL": ("?", "bool_contents"),
-    "INT32": ("<i", "int_contents"),
-    "INT64": ("<q", "int64_contents"),
-    "UINT32": ("<I", "uint_contents"),
-    "UINT64": ("<Q", "uint64_contents"),
-    "FP32": ("<f", "fp32_contents"),
+    "BOOL": (struct.Struct("?"), "bool_contents"),
+    "INT32": (struct.Struct("<i"), "int_contents"),
+    "INT64": (struct.Struct("<q"), "int64_contents"),
+    "UINT32": (struct.Struct("<I"), "uint_contents"),
+    "UINT64": (struct.Struct("<Q"), "uint64_contents"),
+    "FP32": (struct.Struct("<f"), "fp32_contents"),
 }
+# A BYTES element's length, before its bytes.
+_LENGTH = struct.Struct("<I")
 
 
 class TensorWriter:
@@ -47,61 +49,64 @@ class TensorWriter:
         parts = []
         for value in values:
             data = value.encode("utf-8")
-            parts.append(struct.pack("<I", len(data)))
+            parts.append(_LENGTH.pack(len(data)))
             parts.append(data)
         self._add(name, "BYTES", shape, b"".join(parts))
 
     def scalar(self, name: str, datatype: str, value: bool | int | float, shape: Sequence[int]) -> None:
         fmt, _ = _NUMERIC[datatype]
-        self._add(name, datatype, shape, struct.pack(fmt, value))
+        self._add(name, datatype, shape, fmt.pack(value))
 
 
 class TensorReader:
-    """Named outputs of one ModelInferResponse; absent outputs read as None."""
+    """Named outputs of one ModelInferResponse; absent outputs read as None.
 
-    __slots__ = ("_response", "_index")
+    The response's repeated fields are read once, here: a streamed generation reads a
+    handful of outputs from every token's response, and each access to a protobuf
+    repeated field costs more than the value it gives."""
+
+    __slots__ = ("_tensors",)
 
     def __init__(self, response: service_pb2.ModelInferResponse) -> None:
-        self._response = response
-        self._index = {t.name: i for i, t in enumerate(response.outputs)}
+        raw = list(response.raw_output_contents)
+        self._tensors: dict[str, tuple[service_pb2.ModelInferResponse.InferOutputTensor, bytes | None]] = {
+            t.name: (t, raw[i] if i < len(raw) else None) for i, t in enumerate(response.outputs)
+        }
 
-    def _raw(self, index: int) -> bytes | None:
-        raw = self._response.raw_output_contents
-        return raw[index] if index < len(raw) else None
-
-    def strings(self, name: str) -> list[str] | None:
-        index = self._index.get(name)
-        if index is None:
+    def strings(self, name: str, *, limit: int | None = None) -> list[str] | None:
+        """The output's elements (the first `limit` of them, if given)."""
+        found = self._tensors.get(name)
+        if found is None:
             return None
-        raw = self._raw(index)
+        tensor, raw = found
         if raw is None:
-            return [b.decode("utf-8", errors="replace") for b in self._response.outputs[index].contents.bytes_contents]
-        values, offset = [], 0
-        while offset < len(raw):
-            if offset + 4 > len(raw):
+            return [b.decode("utf-8", errors="replace") for b in tensor.contents.bytes_contents[:limit]]
+        values: list[str] = []
+        offset, end = 0, len(raw)
+        while offset < end and (limit is None or len(values) < limit):
+            if offset + 4 > end:
                 raise Internal(f"output {name!r}: truncated BYTES element")
-            (size,) = struct.unpack_from("<I", raw, offset)
+            (size,) = _LENGTH.unpack_from(raw, offset)
             offset += 4
             values.append(raw[offset : offset + size].decode("utf-8", errors="replace"))
             offset += size
         return values
 
     def numbers(self, name: str) -> list[int | float | bool] | None:
-        index = self._index.get(name)
-        if index is None:
+        found = self._tensors.get(name)
+        if found is None:
             return None
-        tensor = self._response.outputs[index]
+        tensor, raw = found
         if tensor.datatype not in _NUMERIC:
             raise Internal(f"output {name!r}: unexpected datatype {tensor.datatype}")
         fmt, field = _NUMERIC[tensor.datatype]
-        raw = self._raw(index)
         if raw is None:
             return list(getattr(tensor.contents, field))
-        size = struct.calcsize(fmt)
-        return [struct.unpack_from(fmt, raw, i)[0] for i in range(0, len(raw) - size + 1, size)]
+        whole = len(raw) - len(raw) % fmt.size
+        return [value for (value,) in fmt.iter_unpack(raw[:whole])]
 
     def first_string(self, name: str) -> str | None:
-        values = self.strings(name)
+        values = self.strings(name, limit=1)
         return values[0] if values else None
 
     def first_int(self, name: str) -> int | None:
