@@ -14,6 +14,7 @@ at once, and costs only what was generated before the cancel.
 from __future__ import annotations
 
 import contextlib
+import math
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -187,8 +188,8 @@ class GenerationPlane:
         max_tokens = policy.default_max_tokens if call.max_tokens is None else call.max_tokens
         if max_tokens < 1:
             raise InvalidArgument("sampling.max_tokens must be at least 1")
-        if call.temperature is not None and call.temperature < 0:
-            raise InvalidArgument("sampling.temperature must be >= 0")
+        if call.temperature is not None and not (math.isfinite(call.temperature) and call.temperature >= 0):
+            raise InvalidArgument("sampling.temperature must be a finite number >= 0")
         if call.top_p is not None and not 0 < call.top_p <= 1:
             raise InvalidArgument("sampling.top_p must be in (0, 1]")
         if any(not s for s in call.stop):

@@ -87,7 +87,6 @@ class Engine:
         """One generation request (a serialized ModelInferRequest) as a ModelStreamInfer
         of its own; its responses. Closing the iterator early (the caller went away)
         cancels it upstream, so Triton cancels the request in the engine."""
-        model = ""
         reader = self.call(route, _STREAM_INFER_PATH, request, headers=headers, timeout_s=timeout_s)
         try:
             while (raw := await reader.next()) is not None:
@@ -95,7 +94,8 @@ class Engine:
                 if message.error_message:
                     # Triton reports a request's own failure in the stream, without a
                     # code: the model refused this request (bad sampling, prompt too long).
-                    model = model or message.infer_response.model_name
+                    # (Its response names no model when Triton refused it before running it.)
+                    model = message.infer_response.model_name or route.model
                     raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
                 route.responded()
                 yield message.infer_response

@@ -145,14 +145,14 @@ class Route:
     upstream failed the call before its first response, and answers another live
     upstream once, never twice. `done` ends the last attempt."""
 
-    __slots__ = ("_pool", "upstream", "_model", "key", "_retried", "_observer", "_done")
+    __slots__ = ("_pool", "upstream", "model", "key", "_retried", "_observer", "_done")
 
     def __init__(
         self, pool: UpstreamPool, upstream: Upstream, model: str | None, key: bytes | None, observer: UpstreamObserver | None
     ) -> None:
         self._pool = pool
         self.upstream = upstream
-        self._model = model
+        self.model = model  # the call's model (None: a call for the server, not a model)
         self.key = key  # what the model's routing chose by (prefix affinity), if anything
         self._retried = False
         self._done = False
@@ -183,7 +183,7 @@ class Route:
         if self._retried or self._done:
             return None
         self._retried = True
-        other = self._pool.failover(self._model, self.upstream, key=self.key)
+        other = self._pool.failover(self.model, self.upstream, key=self.key)
         if other is None:
             return None
         self.done()
