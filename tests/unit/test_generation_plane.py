@@ -211,6 +211,7 @@ async def test_daily_budget_refuses_before_dispatch() -> None:
         (GenerationCall(model="smollm2", prompt="x", top_p=float("nan")), InvalidArgument, "top_p"),
         (GenerationCall(model="smollm2", prompt="x", top_p=1.5), InvalidArgument, "top_p"),
         (GenerationCall(model="smollm2", prompt="x", stop=("",)), InvalidArgument, "stop"),
+        (GenerationCall(model="smollm2", prompt="x", stop=("a",) * 17), InvalidArgument, "at most 16"),
         (GenerationCall(model="minilm", prompt="x"), PermissionDenied, "minilm"),
     ],
 )

@@ -104,6 +104,7 @@ async def gateway_before(
             "upstreams": [{"name": "fake", "url": f"127.0.0.1:{port}"}],
             "tenants": [{"name": "t", "api_keys": [{"key": KEY}], "max_class": "critical"}],
             "limits": limits or {},
+            "openai": {"listen": "127.0.0.1:0"},  # not the default 8080: `make run` may hold it
         }
     )
     gateway = Gateway(config, serve_metrics=False, health_check_interval_s=0.1)

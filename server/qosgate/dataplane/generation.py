@@ -38,6 +38,11 @@ from qosgate.scheduler.cost import token_cost
 from qosgate.upstream.pool import Route
 from qosgate.usage import UsageRecord
 
+# The engine matches every stop string against each new token's text: a long list slows
+# the step of every request in the batch, not only its own.
+MAX_STOP_SEQUENCES = 16
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationCall:
     """A generation request as its front end parsed it; None means "not set by the caller"."""
@@ -52,6 +57,24 @@ class GenerationCall:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = True
+
+    def check(self) -> None:
+        """InvalidArgument naming the first field set out of range (what can be judged
+        without the model's policy: batch submission checks its items with it too)."""
+        if not self.model:
+            raise InvalidArgument("model is required")
+        if self.messages is None and not self.prompt:
+            raise InvalidArgument("set either prompt or chat.messages")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidArgument("sampling.max_tokens must be at least 1")
+        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument("sampling.temperature must be a finite number >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InvalidArgument("sampling.top_p must be in (0, 1]")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidArgument(f"sampling.stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("sampling.stop must not contain empty strings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,23 +200,13 @@ class GenerationPlane:
                 scope.account(record, used.total)
 
     def _request(self, call: GenerationCall, policy: ModelPolicy) -> GenerationRequest:
-        if not call.model:
-            raise InvalidArgument("model is required")
+        call.check()
         if call.messages is not None:
             prompt = self._template(call.model, policy).render(call.messages)
-        elif call.prompt:
-            prompt = call.prompt
         else:
-            raise InvalidArgument("set either prompt or chat.messages")
+            assert call.prompt is not None  # check() saw one or the other
+            prompt = call.prompt
         max_tokens = policy.default_max_tokens if call.max_tokens is None else call.max_tokens
-        if max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be at least 1")
-        if call.temperature is not None and not (math.isfinite(call.temperature) and call.temperature >= 0):
-            raise InvalidArgument("sampling.temperature must be a finite number >= 0")
-        if call.top_p is not None and not 0 < call.top_p <= 1:
-            raise InvalidArgument("sampling.top_p must be in (0, 1]")
-        if any(not s for s in call.stop):
-            raise InvalidArgument("sampling.stop must not contain empty strings")
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=policy.default_temperature if call.temperature is None else call.temperature,

@@ -22,6 +22,7 @@ from qosgate.jobs.model import ItemKind, ItemResult, Job, JobLimits, JobStatus, 
 from qosgate.jobs.runner import JobRunner
 from qosgate.jobs.store import JobStore
 from qosgate.v1 import batch_pb2, embedding_pb2, generation_pb2
+from qosgate.v1_converters import to_call
 
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
@@ -118,8 +119,8 @@ def new_item(
             request = _with_defaults(item.generate, header)
             if not request.model:
                 raise errors.InvalidArgument("model is empty and the header names none")
-            if request.WhichOneof("input") is None:
-                raise errors.InvalidArgument("set either prompt or chat")
+            # Checked as the call will be when it runs: the job is all or nothing.
+            to_call(request, stream=False).check()
             require_model(tenant, request.model)
             return NewItem(item.custom_id, ItemKind.GENERATE, request.SerializeToString())
         if kind == "embed":

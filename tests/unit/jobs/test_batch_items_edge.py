@@ -67,6 +67,36 @@ def test_embed_item_takes_the_header_model() -> None:
             InvalidArgument,
             "prompt or chat",
         ),
+        # Sampling is checked at submission as it would be when the item runs: the job is
+        # all or nothing, never queued with an item that can only fail.
+        (
+            batch_pb2.BatchItem(
+                custom_id="x",
+                generate=generation_pb2.GenerateRequest(
+                    prompt="a", sampling=generation_pb2.SamplingParams(temperature=float("nan"))
+                ),
+            ),
+            InvalidArgument,
+            "temperature",
+        ),
+        (
+            batch_pb2.BatchItem(
+                custom_id="x",
+                generate=generation_pb2.GenerateRequest(prompt="a", sampling=generation_pb2.SamplingParams(top_p=0)),
+            ),
+            InvalidArgument,
+            "top_p",
+        ),
+        (
+            batch_pb2.BatchItem(
+                custom_id="x",
+                generate=generation_pb2.GenerateRequest(
+                    chat=generation_pb2.Chat(messages=[generation_pb2.ChatMessage(content="hi")])
+                ),
+            ),
+            InvalidArgument,
+            "role must be set",
+        ),
         (
             batch_pb2.BatchItem(
                 custom_id="x", generate=generation_pb2.GenerateRequest(model="other", prompt="a")
