@@ -611,7 +611,7 @@ class OpenAIConfig(_Frozen):
     max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest batch input file accepted by `POST /v1/files`."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
-    """Largest JSON body of the other endpoints."""
+    """Largest JSON body of the other endpoints, as sent and as decoded (gzip, deflate)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of a request that gives none (a `timeout` or `x-stainless-timeout` header,
     in seconds, sets its own): a request still queued or running when it passes ends 504."""

@@ -19,8 +19,11 @@ The fuzzing tenant may use the identity model only, so no case reaches the LLM.
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import logging
+import socket
+import zlib
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +171,8 @@ HEADERS = st.fixed_dictionaries(
         "x-session-id": st.sampled_from(["", "s", "y" * 20_000]),
         "timeout": st.sampled_from(["", "1", "0.5", "-1", "nan", "inf", "1e999", "abc", "9" * 400]),
         "x-stainless-timeout": st.sampled_from(["", "600", "-5", "x"]),
+        # Bodies that do not decode as their encoding says (none of them is compressed).
+        "content-encoding": st.sampled_from(["gzip", "deflate", "br", "zstd", "identity", "x-unknown"]),
     },
 )
 
@@ -307,6 +312,35 @@ def test_oversized_headers_are_openai_errors(http: httpx.Client, size: int) -> N
     many = {**AUTH, **{f"x-h{i}": "v" for i in range(300)}}
     _check("/models", _send(http, "GET", "/models", b"", many))
     assert not FAILURES, "\n".join(FAILURES)
+    _still_serving(http)
+
+
+def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread, http: httpx.Client) -> None:
+    """A gzip or deflate body that decodes is read as the plain one; one that does not, or
+    that inflates past the limit, or a declared length over it (answered before any of the
+    body is sent) is a 400 OpenAI error; another encoding, or any on an upload, a 415."""
+    FAILURES.clear()
+    json_type = {**AUTH, "content-type": "application/json"}
+    body = json.dumps(SEEDS["/embeddings"]).encode()
+    plain = _send(http, "POST", "/embeddings", body, json_type)
+    for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        answer = _send(http, "POST", "/embeddings", packed, {**json_type, "content-encoding": encoding})
+        assert (answer.status_code, answer.json()) == (plain.status_code, plain.json()), encoding
+    bomb = gzip.compress(b" " * (1 << 20))  # 1 MiB of spaces: past the 256 KiB limit, in 1 kB
+    for case, expect in (("not gzip", 400), (bomb, 400), (gzip.compress(body)[:-9], 400)):
+        raw = case.encode() if isinstance(case, str) else case
+        _check("/embeddings", _send(http, "POST", "/embeddings", raw, {**json_type, "content-encoding": "gzip"}), expect=expect)
+    _check("/embeddings", _send(http, "POST", "/embeddings", body, {**json_type, "content-encoding": "br"}), expect=415)
+    _check("/files", _send(http, "POST", "/files", b"x", {**AUTH, "content-type": "multipart/form-data; boundary=b", "content-encoding": "gzip"}), expect=415)
+    assert not FAILURES, "\n".join(FAILURES)
+    port = urllib.parse.urlsplit(gateway.openai_url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(
+            f"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\nauthorization: {AUTH['authorization']}\r\n"
+            f"content-type: application/json\r\ncontent-length: {10**10}\r\n\r\n".encode()
+        )
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"larger than" in head, head[:300]
     _still_serving(http)
 
 

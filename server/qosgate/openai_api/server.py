@@ -23,6 +23,7 @@ import logging
 import math
 import ssl
 import uuid
+import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from http import HTTPStatus
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import BadHttpMessage
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from qosgate import errors
@@ -126,7 +127,10 @@ class OpenAIServer:
             # aiohttp's plain-text answers to what its parser refuses).
             self._listener = await loop.create_server(
                 # No access log (aiohttp takes None for off; its stubs say Logger).
-                lambda: _RequestHandler(server, loop=loop, access_log=None),  # type: ignore[arg-type]
+                # Bodies are decoded by the routes (`_json`), not by aiohttp: a body that
+                # did not decode as its Content-Encoding said would fail inside aiohttp,
+                # with a logged traceback and a reset connection.
+                lambda: _RequestHandler(server, loop=loop, access_log=None, auto_decompress=False),  # type: ignore[arg-type]
                 host.strip("[]"),
                 int(port),
                 ssl=self._tls,
@@ -164,6 +168,11 @@ class OpenAIServer:
                 raise
             # aiohttp's own refusals (no such route, wrong method, body too large).
             return _error_response(e.status, e.reason)
+        except RequestPayloadError as e:
+            # A body that cannot be read as its headers frame it (chunks broken part-way).
+            cause = e.__cause__
+            reason = cause.message if isinstance(cause, BadHttpMessage) else str(e)
+            return _error_response(400, f"request body could not be read: {reason}")
         except Exception as e:  # domain errors by the table; anything else INTERNAL
             decoded = request.get(_CALL)
             tenant = decoded.tenant if decoded is not None and isinstance(e, errors.QuotaExceeded) else None
@@ -216,10 +225,12 @@ class OpenAIServer:
         raise errors.InvalidArgument(f"service_tier {service_tier!r} is not offered; tiers: {', '.join(tiers)}")
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()
-        if len(raw) > self._config.max_body_bytes:
-            raise errors.InvalidArgument(f"request body is larger than {self._config.max_body_bytes} bytes")
-        return wire.loads(raw)
+        limit = self._config.max_body_bytes
+        encoding = _content_encoding(request)
+        # A declared length over the limit is refused before any of the body is read.
+        if (request.content_length or 0) > limit or len(raw := await request.read()) > limit:
+            raise errors.InvalidArgument(f"request body is larger than {limit} bytes")
+        return wire.loads(raw if encoding is None else _decompressed(raw, encoding, limit))
 
     # -- generation --------------------------------------------------------------------------
 
@@ -328,6 +339,8 @@ class OpenAIServer:
     async def _multipart_file(self, request: web.Request) -> tuple[str, str, bytes]:
         if not request.content_type.startswith("multipart/form-data"):
             raise errors.InvalidArgument("upload the file as multipart/form-data (fields 'file' and 'purpose')")
+        if _content_encoding(request) is not None:
+            raise web.HTTPUnsupportedMediaType(reason="send the upload without a Content-Encoding")
         purpose: str | None = None
         filename = ""
         content: bytes | None = None
@@ -394,6 +407,35 @@ class _StreamFailed(Exception):
         super().__init__(error.message)
         self.error = error
         self.response = response
+
+
+# Content-Encodings of a JSON body the API decodes: zlib reads both headers (32 + wbits).
+_ZLIB_ENCODINGS = {"gzip", "x-gzip", "deflate"}
+
+
+def _content_encoding(request: web.Request) -> str | None:
+    """The body's Content-Encoding (None: not encoded); 415 for one the API does not take."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding not in _ZLIB_ENCODINGS:
+        raise web.HTTPUnsupportedMediaType(reason=f"Content-Encoding {encoding!r} is not supported: send gzip, deflate or none")
+    return encoding
+
+
+def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
+    """`raw` decoded, refused once it decodes past `limit` bytes (a small body may inflate
+    to gigabytes) or when it does not decode as `encoding`."""
+    decoder = zlib.decompressobj(32 + zlib.MAX_WBITS)
+    try:
+        body = decoder.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise errors.InvalidArgument(f"request body does not decode as {encoding}: {e}") from None
+    if len(body) > limit:
+        raise errors.InvalidArgument(f"request body is larger than {limit} bytes decoded")
+    if not decoder.eof:
+        raise errors.InvalidArgument(f"request body is cut short: its {encoding} stream does not end")
+    return body
 
 
 def _error_response(status: int, message: str) -> web.Response:
