@@ -389,7 +389,8 @@ class ModelPolicy(_Frozen):
     """Largest window `auto` grows to. The engine's saturation (its waiting queue, its
     KV cache) stops the window first: this only bounds an engine that reports neither."""
     cost_unit: CostUnit = "request"
-    """Fair-share cost of a request without token counts (embedding and KServe calls):
+    """Fair-share cost of a request without token counts (embedding calls, KServe calls
+    other than an LLM's generation requests):
     `request` 1 each, `text` 1 per input text (an embedding call) or batch row (the first
     dimension of a KServe call's first input), `byte` 1 per byte of the request."""
     max_queued: int = Field(default=2000, ge=1)

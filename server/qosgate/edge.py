@@ -120,7 +120,15 @@ class ModelFacts:
     config's own lookups (pydantic models, a routing callable) run interpreted and cost
     more than the rest of a call's routing."""
 
-    __slots__ = ("_units", "_default_unit", "_session_headers", "_default_session_header", "_routing", "_default_routing")
+    __slots__ = (
+        "_units",
+        "_default_unit",
+        "_session_headers",
+        "_default_session_header",
+        "_routing",
+        "_default_routing",
+        "output_token_weight",
+    )
 
     def __init__(self, config: GatewayConfig) -> None:
         models, default = config.models, config.default_model_policy
@@ -130,6 +138,8 @@ class ModelFacts:
         self._default_session_header = _header_name(default.routing.session_header)
         self._routing = {name: policy.routing for name, policy in models.items()}
         self._default_routing = default.routing
+        # An LLM request's cost: prompt + this x generated tokens (SchedulerConfig).
+        self.output_token_weight = config.scheduler.output_token_weight
 
     def cost_unit(self, model: str) -> CostUnit:
         """The unit `model`'s calls are charged in (ModelPolicy.cost_unit)."""

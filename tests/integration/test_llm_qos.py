@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.launcher import LocalTriton
-from qosgate.v1 import generation_pb2, generation_pb2_grpc
+from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from conftest import engine_idle, require_model
 from gateway_harness import GatewayThread, bearer, gateway_config
 
@@ -60,7 +61,12 @@ def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
             triton.ports.grpc_url,
             models={"smollm2": {"dispatch_window": WINDOW, "default_temperature": 0.0}},
             scheduler={"fair_share": fair_share, "window_reserve": 0},
-            tenants=[_tenant("long"), _tenant("short"), _tenant("kv", max_inflight_tokens=250)],
+            tenants=[
+                _tenant("long"),
+                _tenant("short"),
+                _tenant("kv", max_inflight_tokens=250),
+                _tenant("metered", tokens_per_minute=200),
+            ],
         )
     )
 
@@ -216,3 +222,37 @@ def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_
     asyncio.run(scenario())
     snapshot = quota_gateway.gateway.scheduler.snapshot()
     assert snapshot.queued.get(("smollm2", "standard", "kv"), 0) == 0
+
+
+def _kserve_generation(request_id: str, max_tokens: int) -> service_pb2.ModelInferRequest:
+    """The vLLM backend's streaming contract, as tritonclient sends it."""
+    request = service_pb2.ModelInferRequest(model_name="smollm2", id=request_id)
+    for name, datatype, raw in (
+        ("text_input", "BYTES", len(COUNTING_PROMPT).to_bytes(4, "little") + COUNTING_PROMPT.encode()),
+        ("stream", "BOOL", b"\x01"),
+        ("sampling_parameters", "BYTES", (text := f'{{"max_tokens": {max_tokens}, "temperature": 0}}'.encode())
+         and len(text).to_bytes(4, "little") + text),
+    ):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def test_kserve_generations_are_charged_in_tokens_like_the_generation_apis(quota_gateway: GatewayThread) -> None:
+    """A ModelStreamInfer request of the LLM counts against tokens_per_minute by its prompt
+    and max_tokens, and its usage is what the engine generated: it cannot bypass a token
+    quota the generation API enforces."""
+    metadata = tuple(bearer("metered-key").items())
+    with grpc.insecure_channel(quota_gateway.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        # Prompt + 128 fits the bucket of 200 once; a second right after it does not (the
+        # bucket refills 200 a minute, and the first took its 146 in a few seconds).
+        served = list(stub.ModelStreamInfer(iter([_kserve_generation("first", LONG_TOKENS)]), metadata=metadata, timeout=120))
+        assert served and not any(r.error_message for r in served), served
+        refused = list(stub.ModelStreamInfer(iter([_kserve_generation("second", LONG_TOKENS)]), metadata=metadata, timeout=120))
+        assert [r.error_message.split(":")[0] for r in refused] == ["RESOURCE_EXHAUSTED"], refused[:3]
+        assert "tokens_per_minute" in refused[0].error_message and refused[0].infer_response.id == "second"
+        usage = admin_pb2_grpc.AdminServiceStub(channel).GetUsage(admin_pb2.GetUsageRequest(), metadata=metadata, timeout=30)
+    assert usage.today.requests == 1, usage
+    assert usage.today.completion_tokens == LONG_TOKENS, usage  # greedy counting runs its whole length
+    assert usage.today.prompt_tokens > 0, usage

@@ -17,6 +17,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from qosgate.adapters.asks import VLLM_DEFAULT_MAX_TOKENS, GenerationAsk, generation_ask
 from qosgate import paths
 from qosgate.adapters import adapter_for
 from qosgate.adapters.chat_template import CHATML, ChatTemplate, TemplateError
@@ -296,3 +297,36 @@ def test_a_hugging_face_template_renders_as_transformers_would() -> None:
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def _kserve_request(**inputs: tuple[str, bytes]) -> bytes:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    for name, (datatype, raw) in inputs.items():
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+def _text(value: str) -> tuple[str, bytes]:
+    data = value.encode()
+    return "BYTES", len(data).to_bytes(4, "little") + data
+
+
+@pytest.mark.parametrize(
+    ("raw", "ask"),
+    [
+        # The vLLM backend's contract; numbers as JSON strings are taken, as the backend does.
+        (_kserve_request(text_input=_text("hi"), stream=("BOOL", b"\x01"), sampling_parameters=_text('{"max_tokens": "64"}')), GenerationAsk("hi", 64, True)),
+        (_kserve_request(text_input=_text("hi"), sampling_parameters=_text("{}")), GenerationAsk("hi", VLLM_DEFAULT_MAX_TOKENS, False)),
+        (_kserve_request(text_input=_text("hi")), GenerationAsk("hi", VLLM_DEFAULT_MAX_TOKENS, False)),
+        # The TensorRT-LLM ensemble's contract.
+        (_kserve_request(text_input=_text("yo"), max_tokens=("INT32", (40).to_bytes(4, "little")), stream=("BOOL", b"\x00")), GenerationAsk("yo", 40, False)),
+        # Not a generation request, or not one to read: the engine judges it.
+        (_kserve_request(INPUT0=("FP32", b"\x00" * 4)), None),
+        (_kserve_request(text_input=_text("hi"), sampling_parameters=_text("{not json")), None),
+        (_kserve_request(text_input=_text("hi"), sampling_parameters=_text('{"max_tokens": [1]}')), None),
+        (b"text_input\xff", None),  # no protobuf at all
+    ],
+)
+def test_a_kserve_generation_request_tells_what_it_asks(raw: bytes, ask: GenerationAsk | None) -> None:
+    assert generation_ask(raw) == ask

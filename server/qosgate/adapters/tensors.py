@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from tritonclient.grpc import service_pb2
 
@@ -58,19 +59,27 @@ class TensorWriter:
         self._add(name, datatype, shape, fmt.pack(value))
 
 
-class TensorReader:
-    """Named outputs of one ModelInferResponse; absent outputs read as None.
+Tensor: TypeAlias = service_pb2.ModelInferResponse.InferOutputTensor | service_pb2.ModelInferRequest.InferInputTensor
 
-    The response's repeated fields are read once, here: a streamed generation reads a
+
+class TensorReader:
+    """Named outputs of one ModelInferResponse (or inputs of one ModelInferRequest);
+    absent tensors read as None.
+
+    The message's repeated fields are read once, here: a streamed generation reads a
     handful of outputs from every token's response, and each access to a protobuf
     repeated field costs more than the value it gives."""
 
     __slots__ = ("_tensors",)
 
-    def __init__(self, response: service_pb2.ModelInferResponse) -> None:
-        raw = list(response.raw_output_contents)
-        self._tensors: dict[str, tuple[service_pb2.ModelInferResponse.InferOutputTensor, bytes | None]] = {
-            t.name: (t, raw[i] if i < len(raw) else None) for i, t in enumerate(response.outputs)
+    def __init__(self, message: service_pb2.ModelInferResponse | service_pb2.ModelInferRequest) -> None:
+        tensors: Sequence[Tensor]
+        if isinstance(message, service_pb2.ModelInferRequest):
+            tensors, raw = message.inputs, list(message.raw_input_contents)
+        else:
+            tensors, raw = message.outputs, list(message.raw_output_contents)
+        self._tensors: dict[str, tuple[Tensor, bytes | None]] = {
+            t.name: (t, raw[i] if i < len(raw) else None) for i, t in enumerate(tensors)
         }
 
     def strings(self, name: str, *, limit: int | None = None) -> list[str] | None:
@@ -85,7 +94,7 @@ class TensorReader:
         offset, end = 0, len(raw)
         while offset < end and (limit is None or len(values) < limit):
             if offset + 4 > end:
-                raise Internal(f"output {name!r}: truncated BYTES element")
+                raise Internal(f"tensor {name!r}: truncated BYTES element")
             (size,) = _LENGTH.unpack_from(raw, offset)
             offset += 4
             values.append(raw[offset : offset + size].decode("utf-8", errors="replace"))
@@ -98,7 +107,7 @@ class TensorReader:
             return None
         tensor, raw = found
         if tensor.datatype not in _NUMERIC:
-            raise Internal(f"output {name!r}: unexpected datatype {tensor.datatype}")
+            raise Internal(f"tensor {name!r}: unexpected datatype {tensor.datatype}")
         fmt, field = _NUMERIC[tensor.datatype]
         if raw is None:
             return list(getattr(tensor.contents, field))

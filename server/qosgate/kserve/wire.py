@@ -35,10 +35,12 @@ _MODEL_NAME = 1
 _ID = 3
 _PARAMETERS = 4
 _REQUEST_INPUTS = 5
+_RESPONSE_OUTPUTS = 5
 # InferInputTensor
 _INPUT_SHAPE = 3
 # ModelStreamInferResponse
 _STREAM_ERROR = 1
+_STREAM_RESPONSE = 2
 # InferParameter (a oneof)
 _INT64_PARAM = 2
 _UINT64_PARAM = 5
@@ -390,16 +392,29 @@ def dispatch_fragment(level: int, timeout_us: int | None) -> bytes:
     return fragment if timeout_us is None else fragment + timeout_fragment(timeout_us)
 
 
-def stream_response_failed(buf: bytes) -> bool:
+# What a ModelStreamInferResponse carries (stream_response_kind).
+RESPONSE_FAILED, RESPONSE_OUTPUTS, RESPONSE_EMPTY = 0, 1, 2
+
+
+def stream_response_kind(buf: bytes) -> int:
     """Whether a ModelStreamInferResponse reports its request failed (`error_message`
-    set). Only its top-level fields are walked: two, the response skipped whole."""
+    set), carries output tensors, or neither (Triton's empty final response). Only its
+    top-level fields and its response's are walked, the tensors skipped whole."""
+    kind = RESPONSE_EMPTY
     try:
         for number, wire_type, start, end in _fields(buf):
-            if number == _STREAM_ERROR and wire_type == _LEN and end > start:
-                return True
+            if wire_type != _LEN:
+                continue
+            if number == _STREAM_ERROR and end > start:
+                return RESPONSE_FAILED  # wherever it stands among the fields
+            if number == _STREAM_RESPONSE and kind == RESPONSE_EMPTY:
+                for inner, inner_type, _, _ in _fields(memoryview(buf)[start:end]):
+                    if inner == _RESPONSE_OUTPUTS and inner_type == _LEN:
+                        kind = RESPONSE_OUTPUTS
+                        break
     except WireError:
-        return False  # not ours to judge: it goes to the caller as Triton wrote it
-    return False
+        pass  # not ours to judge: it goes to the caller as Triton wrote it
+    return kind
 
 
 def check_text(raw: bytes, descriptor: Descriptor, max_fields: int) -> None:

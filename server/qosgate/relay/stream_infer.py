@@ -3,7 +3,8 @@ of a caller's stream is a call of its own through the edge.
 
 A stream is served message by message (messages.ServerStream); its caller is identified
 once, and its tenant's open streams are bounded. Each request in it is decoded (its model
-and id read from its bytes, nothing else), admitted by the edge (`qosgate.edge`), routed
+and id read from its bytes; for an LLM's request, its prompt and max_tokens, so that it is
+charged in tokens: `adapters.asks`), admitted by the edge (`qosgate.edge`), routed
 by its own model's routing policy (prefix affinity on the model's session header
 included) and sent to Triton as a ModelStreamInfer of its own, half-closed, on the
 upstream's persistent connections (connections.ClientStream), with Triton's priority and
@@ -35,6 +36,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2
 
 from qosgate import errors
+from qosgate.adapters.asks import GenerationAsk, generation_ask
 from qosgate.config import ResourceLimits
 from qosgate.dataplane.call import Admitted, Call
 from qosgate.dataplane.plane import CallCost, CallScope
@@ -44,14 +46,17 @@ from qosgate.kserve import wire
 from qosgate.kserve.names import GRPC_ERROR_HEADER, STREAM_INFER, path
 from qosgate.memory import HeapTrimmer
 from qosgate.quota import Refused, StreamLimiter
+from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.relay.infer_policy import peek_infer_request, request_cost
 from qosgate.relay.messages import OK_STATUS, ServerStream
 from qosgate.relay.policy import call_of
+from qosgate.scheduler.cost import token_cost
 from qosgate.transport import http2
 from qosgate.transport.messages import StreamError
 from qosgate.transport.status import OK, UNAVAILABLE, code_name, decode_message, refusal, status_headers, status_of
 from qosgate.upstream.connections import ClientStream
 from qosgate.upstream.pool import Route
+from qosgate.usage import UsageRecord
 
 PATH = path(STREAM_INFER)
 _GRPC_ERROR = GRPC_ERROR_HEADER.encode()
@@ -204,12 +209,21 @@ class _Session:
             timeout_s=stream.time_remaining(),
             tenant=call.tenant,
         )
-        request = _Request(self, handler.edge.open(request_call), head.id, raw)
+        models = handler.edge.models
+        # An LLM's request is charged in tokens, as the generation API charges its own.
+        ask = generation_ask(raw)
+        request = _Request(self, handler.edge.open(request_call), head.id, raw, ask)
         self.in_flight.add(request)
         self.idle.clear()
         if len(self.in_flight) >= self.limits.stream_max_pending:
             self.room.clear()
-        cost = CallCost(fair_share=request_cost(handler.edge.models.cost_unit(head.model_name), head, len(raw)))
+        if ask is None:
+            cost = CallCost(fair_share=request_cost(models.cost_unit(head.model_name), head, len(raw)))
+        else:
+            cost = CallCost(
+                fair_share=token_cost(request.prompt_tokens, ask.max_tokens, models.output_token_weight),
+                tokens=request.prompt_tokens + ask.max_tokens,
+            )
         request.admit(request_call, cost)
 
     def _refused(self, scope: CallScope, request_id: str, error: BaseException) -> None:
@@ -283,13 +297,31 @@ class _Session:
 class _Request:
     """One request of a stream at Triton: its scope, its upstream call (a ClientSink)."""
 
-    __slots__ = ("session", "scope", "id", "raw", "route", "upstream", "responded", "failed", "admitting")
+    __slots__ = (
+        "session",
+        "scope",
+        "id",
+        "raw",
+        "ask",
+        "prompt_tokens",
+        "outputs",
+        "route",
+        "upstream",
+        "responded",
+        "failed",
+        "admitting",
+    )
 
-    def __init__(self, session: _Session, scope: CallScope, request_id: str, raw: bytes) -> None:
+    def __init__(
+        self, session: _Session, scope: CallScope, request_id: str, raw: bytes, ask: GenerationAsk | None
+    ) -> None:
         self.session = session
         self.scope = scope
         self.id = request_id
         self.raw = raw  # until it is sent upstream
+        self.ask = ask  # what an LLM request asks of its engine (None: not an LLM's)
+        self.prompt_tokens = 0 if ask is None else estimate_prompt_tokens(ask.prompt)
+        self.outputs = 0  # responses with output tensors so far
         self.route: Route | None = None
         self.upstream: ClientStream | None = None
         self.responded = False
@@ -358,12 +390,32 @@ class _Request:
     # -- ClientSink ---------------------------------------------------------------------------
 
     def response(self, message: bytes) -> None:
-        if wire.stream_response_failed(message):
+        kind = wire.stream_response_kind(message)
+        if kind == wire.RESPONSE_FAILED:
             self.failed = True
-        elif not self.responded:
-            self.responded = True
-            self.scope.responded()  # an error names no model that exists
+        else:
+            if not self.responded:
+                self.responded = True
+                self.scope.responded()  # an error names no model that exists
+            if kind == wire.RESPONSE_OUTPUTS:
+                self.outputs += 1
         self.session.deliver(message)
+
+    def charge(self, finished: bool) -> None:
+        """An LLM request's real cost, settled in fair share, tokens per minute and the
+        daily budget, as the generation API settles its calls: the prompt's estimate plus
+        one generated token per streamed response with outputs (the engines stream one
+        delta a step); a request not streamed, max_tokens once it answered."""
+        ask = self.ask
+        if ask is None or self.route is None:  # not an LLM's, or it never reached one
+            return
+        completion = self.outputs if ask.streaming else (ask.max_tokens if self.outputs else 0)
+        scope = self.scope
+        weight = self.session.handler.edge.models.output_token_weight
+        scope.settle(token_cost(self.prompt_tokens, completion, weight))
+        reason = ("length" if completion >= ask.max_tokens else "stop") if finished else "cancelled"
+        usage = UsageRecord(scope.tenant.name, scope.labels.model, self.id, self.prompt_tokens, completion, reason)
+        scope.account(usage if self.outputs else None, self.prompt_tokens + completion)
 
     def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
         session = self.session
@@ -371,6 +423,7 @@ class _Request:
             if status == UNAVAILABLE:
                 self.route.recheck()  # it may have gone away: check it now
             self.route.done()
+        self.charge(status == OK and not self.failed)
         if status == OK:
             # In-band errors carry no status code; the metric still must not say OK.
             session.settle(self.scope.close_now("UPSTREAM_ERROR" if self.failed else "OK"))
@@ -395,6 +448,7 @@ class _Request:
             upstream.cancel()
             if self.route is not None:
                 self.route.done()
+            self.charge(False)  # what the engine did before the cancel
         self._close(errors.Cancelled("the stream ended"))
 
     def _close(self, error: BaseException) -> None:
