@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -18,6 +18,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from qosgate.launcher import LocalTriton
+from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from conftest import engine_idle, require_model
 from gateway_harness import GatewayThread, bearer, gateway_config
@@ -115,15 +116,35 @@ async def _stream_loop(url: str, tenant: str, max_tokens: int, service: Service)
                     service.events.append((now, OUTPUT_WEIGHT))
 
 
-async def _saturate(url: str) -> tuple[float, float, str]:
-    """Both tenants saturate the model; their token service over the measured interval, and
-    the service per second of both, for a failure's message."""
+# One closed-loop stream of a tenant's: (gateway URL, tenant, max_tokens, its Service).
+StreamLoop = Callable[[str, str, int, Service], Awaitable[None]]
+
+
+async def _kserve_stream_loop(url: str, tenant: str, max_tokens: int, service: Service) -> None:
+    """`_stream_loop` through KServe ModelStreamInfer: a request per stream, each response
+    with outputs one generated token, the prompt as the gateway estimates it."""
+    metadata = tuple(bearer(f"{tenant}-key").items())
+    prompt_tokens = estimate_prompt_tokens(COUNTING_PROMPT)
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        while True:
+            requests = [_kserve_generation(tenant, max_tokens)]
+            async for response in stub.ModelStreamInfer(iter(requests), metadata=metadata, timeout=MEASURE_CAP_S * 2):
+                assert not response.error_message, response.error_message
+                if response.infer_response.outputs:
+                    service.events.append((time.monotonic(), OUTPUT_WEIGHT))
+            service.events.append((time.monotonic(), prompt_tokens))
+
+
+async def _saturate(url: str, stream_loop: StreamLoop = _stream_loop) -> tuple[float, float, str]:
+    """Both tenants saturate the model (each stream a `stream_loop`); their token service over the
+    measured interval, and the service per second of both, for a failure's message."""
     services = {"long": Service(), "short": Service()}
     # Interleaved, so neither tenant's first requests take the whole window: on a slow
     # (loaded) engine a 128-token generation can outlast the measured interval, and the
     # first holder of every slot would then keep it whatever the fair share decides.
     loops = [
-        asyncio.create_task(_stream_loop(url, tenant, tokens, services[tenant]))
+        asyncio.create_task(stream_loop(url, tenant, tokens, services[tenant]))
         for _ in range(STREAMS)
         for tenant, tokens in (("long", LONG_TOKENS), ("short", SHORT_TOKENS))
     ]
@@ -174,6 +195,16 @@ def test_long_and_short_generations_get_equal_token_service(
     else:
         # Per-request fair share: the long tenant gets many times the short one's tokens.
         assert long_service / short_service >= 3.0, (long_service, short_service, timeline)
+
+
+def test_kserve_long_and_short_generations_get_equal_token_service(quota_gateway: GatewayThread, triton: LocalTriton) -> None:
+    """The same through KServe ModelStreamInfer: charged in tokens like the generation API."""
+    engine_idle(triton, "requests of earlier tests still run in the engine")
+    long_service, short_service, timeline = asyncio.run(_saturate(quota_gateway.url, _kserve_stream_loop))
+    assert long_service > 0 and short_service > 0, timeline
+    ratio = max(long_service, short_service) / min(long_service, short_service)
+    print(f"KServe: token service long {long_service:.0f}, short {short_service:.0f}, ratio {ratio:.2f}")
+    assert ratio <= 2.0, (long_service, short_service, timeline)
 
 
 @pytest.fixture(scope="module")

@@ -317,6 +317,7 @@ def _text(value: str) -> tuple[str, bytes]:
     [
         # The vLLM backend's contract; numbers as JSON strings are taken, as the backend does.
         (_kserve_request(text_input=_text("hi"), stream=("BOOL", b"\x01"), sampling_parameters=_text('{"max_tokens": "64"}')), GenerationAsk("hi", 64, True)),
+        (_kserve_request(text_input=_text("hi"), sampling_parameters=_text('{"max_tokens": "1e3"}')), GenerationAsk("hi", 1000, False)),
         (_kserve_request(text_input=_text("hi"), sampling_parameters=_text("{}")), GenerationAsk("hi", VLLM_DEFAULT_MAX_TOKENS, False)),
         (_kserve_request(text_input=_text("hi")), GenerationAsk("hi", VLLM_DEFAULT_MAX_TOKENS, False)),
         # The TensorRT-LLM ensemble's contract.

@@ -117,18 +117,24 @@ def _stream_response(*, error: str = "", pad: int = 0) -> bytes:
 
 
 @pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
-def test_a_stream_responses_kind_is_told_apart(pad: int) -> None:
-    assert wire.stream_response_kind(_stream_response(pad=pad)) == wire.RESPONSE_OUTPUTS
-    assert wire.stream_response_kind(_stream_response(error="boom", pad=pad)) == wire.RESPONSE_FAILED
+def test_a_stream_response_that_reports_an_error_is_told_apart(pad: int) -> None:
+    assert not wire.stream_response_failed(_stream_response(pad=pad))
+    assert wire.stream_response_failed(_stream_response(error="boom", pad=pad))
     # Fields in another order than Triton writes them: still read.
     raw = _stream_response(pad=pad) + service_pb2.ModelStreamInferResponse(error_message="late").SerializeToString()
-    assert wire.stream_response_kind(raw) == wire.RESPONSE_FAILED
-    # Triton's empty final response: its request's end, no tensors.
+    assert wire.stream_response_failed(raw)
+    assert not wire.stream_response_failed(b"\xff\xff")  # not ours to judge: passed on as it came
+
+
+@pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
+def test_triton_s_empty_final_response_is_told_from_one_with_outputs(pad: int) -> None:
+    assert wire.stream_response_has_outputs(_stream_response(pad=pad))
     final = service_pb2.ModelStreamInferResponse()
     final.infer_response.id = "q5"
     final.infer_response.parameters["triton_final_response"].bool_param = True
-    assert wire.stream_response_kind(final.SerializeToString()) == wire.RESPONSE_EMPTY
-    assert wire.stream_response_kind(b"\xff\xff") == wire.RESPONSE_EMPTY  # not ours to judge: passed on as it came
+    final.infer_response.parameters["padding"].string_param = "x" * pad
+    assert not wire.stream_response_has_outputs(final.SerializeToString())
+    assert not wire.stream_response_has_outputs(b"\xff\xff")
 
 
 def test_truncated_bytes_are_rejected(peek) -> None:

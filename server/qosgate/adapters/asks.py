@@ -53,5 +53,7 @@ def _sampling_max_tokens(sampling: str | None) -> int:
         return VLLM_DEFAULT_MAX_TOKENS
     settings = json.loads(sampling)  # ValueError (JSONDecodeError) when it is none
     value = settings.get("max_tokens") if isinstance(settings, dict) else None
-    # The backend takes numbers sent as JSON strings too ({"max_tokens": "64"}).
-    return VLLM_DEFAULT_MAX_TOKENS if value is None else int(value)
+    if value is None:
+        return VLLM_DEFAULT_MAX_TOKENS
+    # The backend takes numbers sent as JSON strings too ({"max_tokens": "64"}, "1e3").
+    return int(value) if isinstance(value, int) else int(float(value))

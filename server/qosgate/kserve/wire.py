@@ -392,29 +392,31 @@ def dispatch_fragment(level: int, timeout_us: int | None) -> bytes:
     return fragment if timeout_us is None else fragment + timeout_fragment(timeout_us)
 
 
-# What a ModelStreamInferResponse carries (stream_response_kind).
-RESPONSE_FAILED, RESPONSE_OUTPUTS, RESPONSE_EMPTY = 0, 1, 2
-
-
-def stream_response_kind(buf: bytes) -> int:
+def stream_response_failed(buf: bytes) -> bool:
     """Whether a ModelStreamInferResponse reports its request failed (`error_message`
-    set), carries output tensors, or neither (Triton's empty final response). Only its
-    top-level fields and its response's are walked, the tensors skipped whole."""
-    kind = RESPONSE_EMPTY
+    set). Only its top-level fields are walked: two, the response skipped whole."""
     try:
         for number, wire_type, start, end in _fields(buf):
-            if wire_type != _LEN:
-                continue
-            if number == _STREAM_ERROR and end > start:
-                return RESPONSE_FAILED  # wherever it stands among the fields
-            if number == _STREAM_RESPONSE and kind == RESPONSE_EMPTY:
+            if number == _STREAM_ERROR and wire_type == _LEN and end > start:
+                return True
+    except WireError:
+        return False  # not ours to judge: it goes to the caller as Triton wrote it
+    return False
+
+
+def stream_response_has_outputs(buf: bytes) -> bool:
+    """Whether a ModelStreamInferResponse's response carries output tensors (Triton's
+    empty final response carries none). Its response's fields are walked, the tensors
+    skipped whole."""
+    try:
+        for number, wire_type, start, end in _fields(buf):
+            if number == _STREAM_RESPONSE and wire_type == _LEN:
                 for inner, inner_type, _, _ in _fields(memoryview(buf)[start:end]):
                     if inner == _RESPONSE_OUTPUTS and inner_type == _LEN:
-                        kind = RESPONSE_OUTPUTS
-                        break
+                        return True
     except WireError:
-        pass  # not ours to judge: it goes to the caller as Triton wrote it
-    return kind
+        pass  # not ours to judge
+    return False
 
 
 def check_text(raw: bytes, descriptor: Descriptor, max_fields: int) -> None:

@@ -305,6 +305,7 @@ class _Request:
         "ask",
         "prompt_tokens",
         "outputs",
+        "last",
         "route",
         "upstream",
         "responded",
@@ -321,7 +322,8 @@ class _Request:
         self.raw = raw  # until it is sent upstream
         self.ask = ask  # what an LLM request asks of its engine (None: not an LLM's)
         self.prompt_tokens = 0 if ask is None else estimate_prompt_tokens(ask.prompt)
-        self.outputs = 0  # responses with output tensors so far
+        self.outputs = 0  # an LLM request's responses that did not fail, so far
+        self.last: bytes | None = None  # the last of them
         self.route: Route | None = None
         self.upstream: ClientStream | None = None
         self.responded = False
@@ -390,15 +392,15 @@ class _Request:
     # -- ClientSink ---------------------------------------------------------------------------
 
     def response(self, message: bytes) -> None:
-        kind = wire.stream_response_kind(message)
-        if kind == wire.RESPONSE_FAILED:
+        if wire.stream_response_failed(message):
             self.failed = True
         else:
             if not self.responded:
                 self.responded = True
                 self.scope.responded()  # an error names no model that exists
-            if kind == wire.RESPONSE_OUTPUTS:
+            if self.ask is not None:
                 self.outputs += 1
+                self.last = message
         self.session.deliver(message)
 
     def charge(self, finished: bool) -> None:
@@ -409,13 +411,18 @@ class _Request:
         ask = self.ask
         if ask is None or self.route is None:  # not an LLM's, or it never reached one
             return
-        completion = self.outputs if ask.streaming else (ask.max_tokens if self.outputs else 0)
+        # Only a request's last response may be Triton's empty final one: read it alone,
+        # not every token's.
+        outputs = self.outputs
+        if self.last is not None and not wire.stream_response_has_outputs(self.last):
+            outputs -= 1
+        completion = outputs if ask.streaming else (ask.max_tokens if outputs else 0)
         scope = self.scope
         weight = self.session.handler.edge.models.output_token_weight
         scope.settle(token_cost(self.prompt_tokens, completion, weight))
         reason = ("length" if completion >= ask.max_tokens else "stop") if finished else "cancelled"
         usage = UsageRecord(scope.tenant.name, scope.labels.model, self.id, self.prompt_tokens, completion, reason)
-        scope.account(usage if self.outputs else None, self.prompt_tokens + completion)
+        scope.account(usage if outputs else None, self.prompt_tokens + completion)
 
     def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
         session = self.session
