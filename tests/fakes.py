@@ -120,5 +120,6 @@ def make_dataplane(
         metrics=GatewayMetrics(known_models=config.models),
         tracing=tracing or recording_tracing()[0],
         clock=clock,
+        output_token_weight=config.scheduler.output_token_weight,
     )
     return plane

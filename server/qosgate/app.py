@@ -177,6 +177,7 @@ class Gateway:
             metrics=self.metrics,
             tracing=self.tracing,
             clock=self.clock,
+            output_token_weight=config.scheduler.output_token_weight,
         )
         # The one edge every API's calls go through (identify, class, deadline, admit, route).
         self.edge = Edge(config=config, plane=self.dataplane, upstreams=self.pool)

@@ -127,7 +127,6 @@ class ModelFacts:
         "_default_session_header",
         "_routing",
         "_default_routing",
-        "output_token_weight",
     )
 
     def __init__(self, config: GatewayConfig) -> None:
@@ -138,8 +137,6 @@ class ModelFacts:
         self._default_session_header = _header_name(default.routing.session_header)
         self._routing = {name: policy.routing for name, policy in models.items()}
         self._default_routing = default.routing
-        # An LLM request's cost: prompt + this x generated tokens (SchedulerConfig).
-        self.output_token_weight = config.scheduler.output_token_weight
 
     def cost_unit(self, model: str) -> CostUnit:
         """The unit `model`'s calls are charged in (ModelPolicy.cost_unit)."""

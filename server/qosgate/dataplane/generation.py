@@ -29,14 +29,11 @@ from qosgate.adapters.tokenizer import tokenizer_counter
 from qosgate.clock import Clock
 from qosgate.config import GatewayConfig, ModelPolicy
 from qosgate.dataplane.call import Call, CallEdge, Header
-from qosgate.dataplane.plane import CallCost
 from qosgate.errors import Internal, InvalidArgument
 from qosgate.kserve.names import ENGINE_PRIORITY_PARAMETER
 from qosgate.generation_types import ChatMessage, FinishReason, GenerationRequest, Sampling, TokenCounts
 from qosgate.quota.tokens import estimate_prompt_tokens
-from qosgate.scheduler.cost import token_cost
 from qosgate.upstream.pool import Route
-from qosgate.usage import UsageRecord
 
 # The engine matches every stop string against each new token's text: a long list slows
 # the step of every request in the batch, not only its own.
@@ -131,15 +128,10 @@ class GenerationPlane:
         arrived = self._clock.now()
         call.model = generation.model
         async with self._edge.open(call) as scope:
-            tenant = scope.tenant
             policy = self._config.model_policy(generation.model)
             request = self._request(generation, policy)
             prompt_estimate = self._prompt_counters.get(generation.model, estimate_prompt_tokens)(request.prompt)
-            weight = self._config.scheduler.output_token_weight
-            cost = CallCost(
-                fair_share=token_cost(prompt_estimate, request.sampling.max_tokens, weight),
-                tokens=prompt_estimate + request.sampling.max_tokens,
-            )
+            cost = scope.llm_cost(prompt_estimate, request.sampling.max_tokens)
             adapter = self._adapter(generation.model, policy)
             decoder = adapter.decoder(request, prompt_tokens_estimate=prompt_estimate)
             request_id = uuid.uuid4().hex
@@ -189,15 +181,9 @@ class GenerationPlane:
             finally:
                 # However it ended (finished, engine error, caller cancelled), the fair share
                 # and the quotas are charged what the engine did, and only that.
-                used = decoder.counted() if responses else TokenCounts(0, 0)
-                scope.settle(token_cost(used.prompt_tokens, used.completion_tokens, weight))
+                used = decoder.counted()
                 reason = finished.value if finished is not None else FinishReason.CANCELLED.value
-                record = (
-                    UsageRecord(tenant.name, generation.model, request_id, used.prompt_tokens, used.completion_tokens, reason)
-                    if responses
-                    else None
-                )
-                scope.account(record, used.total)
+                scope.settle_tokens(request_id, used.prompt_tokens, used.completion_tokens, reason if responses else None)
 
     def _request(self, call: GenerationCall, policy: ModelPolicy) -> GenerationRequest:
         call.check()

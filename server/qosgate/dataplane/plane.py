@@ -6,7 +6,7 @@
         → scheduler slot (queue span) → remaining deadline → upstream timeout
     scope.upstream_started(name) / upstream_finished()   latency metric, upstream span
     scope.responded()                                    window latency sample, first-token span
-    scope.settle(cost) / scope.account(...)              fair-share correction, usage
+    scope.settle_tokens(...)                             an LLM call's real cost and usage
     await scope.close(error)                             release slot, usage, budget, permit;
                                                          metrics and span by the error table
                                                          (`async with` the scope closes it)
@@ -44,6 +44,7 @@ from qosgate.quota import Admission, Refused
 from qosgate.quota.tokens import BudgetReservation, DailyTokenBudget
 from qosgate.quota.verdict import Permit
 from qosgate.scheduler import Dispatch, Scheduler, Slot
+from qosgate.scheduler.cost import token_cost
 from qosgate.usage import UsageMeter, UsageRecord
 
 OK = "OK"
@@ -99,6 +100,7 @@ class DataPlane:
         metrics: GatewayMetrics,
         tracing: Tracing,
         clock: Clock,
+        output_token_weight: float,
     ) -> None:
         self.directory = directory
         self.admission = admission
@@ -108,6 +110,8 @@ class DataPlane:
         self.metrics = metrics
         self.tracing = tracing
         self.clock = clock
+        # An LLM call's fair-share cost: prompt + this x generated tokens (SchedulerConfig).
+        self.output_token_weight = output_token_weight
 
     def open(
         self, rpc: str, tenant: Tenant, model: str, headers: Mapping[str, str] | None = None
@@ -275,16 +279,27 @@ class CallScope:
 
     # -- accounting --------------------------------------------------------------------------
 
-    def settle(self, fair_share: float) -> None:
-        """The call's real fair-share cost (same unit as CallCost.fair_share)."""
-        if self._dispatch is not None:
-            self._dispatch.settle(fair_share)
+    def llm_cost(self, prompt_tokens: int, max_tokens: int) -> CallCost:
+        """An LLM call's cost at admission: its prompt and all of max_tokens, reserved
+        against the tenant's token quotas until `settle_tokens` says what it used."""
+        weight = self._plane.output_token_weight
+        return CallCost(token_cost(prompt_tokens, max_tokens, weight), prompt_tokens + max_tokens)
 
-    def account(self, record: UsageRecord | None, actual_tokens: int) -> None:
-        """What the engine really did: written to the usage meter at `close` (None: nothing
-        to record), `actual_tokens` settles the tokens reserved at admission."""
-        self._usage = record
-        self._actual_tokens = actual_tokens
+    def settle_tokens(
+        self, request_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str | None
+    ) -> None:
+        """What an LLM call really used: its fair-share cost corrected, its token
+        reservation settled, and a usage record written at `close`. `finish_reason` None:
+        the engine answered nothing, so nothing is charged or recorded."""
+        if finish_reason is None:
+            prompt_tokens = completion_tokens = 0
+        else:
+            self._usage = UsageRecord(
+                self.tenant.name, self.labels.model, request_id, prompt_tokens, completion_tokens, finish_reason
+            )
+        if self._dispatch is not None:
+            self._dispatch.settle(token_cost(prompt_tokens, completion_tokens, self._plane.output_token_weight))
+        self._actual_tokens = prompt_tokens + completion_tokens
 
     # -- the end -------------------------------------------------------------------------------
 

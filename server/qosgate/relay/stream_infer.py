@@ -50,13 +50,11 @@ from qosgate.quota.tokens import estimate_prompt_tokens
 from qosgate.relay.infer_policy import peek_infer_request, request_cost
 from qosgate.relay.messages import OK_STATUS, ServerStream
 from qosgate.relay.policy import call_of
-from qosgate.scheduler.cost import token_cost
 from qosgate.transport import http2
 from qosgate.transport.messages import StreamError
 from qosgate.transport.status import OK, UNAVAILABLE, code_name, decode_message, refusal, status_headers, status_of
 from qosgate.upstream.connections import ClientStream
 from qosgate.upstream.pool import Route
-from qosgate.usage import UsageRecord
 
 PATH = path(STREAM_INFER)
 _GRPC_ERROR = GRPC_ERROR_HEADER.encode()
@@ -220,10 +218,7 @@ class _Session:
         if ask is None:
             cost = CallCost(fair_share=request_cost(models.cost_unit(head.model_name), head, len(raw)))
         else:
-            cost = CallCost(
-                fair_share=token_cost(request.prompt_tokens, ask.max_tokens, models.output_token_weight),
-                tokens=request.prompt_tokens + ask.max_tokens,
-            )
+            cost = request.scope.llm_cost(request.prompt_tokens, ask.max_tokens)
         request.admit(request_call, cost)
 
     def _refused(self, scope: CallScope, request_id: str, error: BaseException) -> None:
@@ -417,12 +412,8 @@ class _Request:
         if self.last is not None and not wire.stream_response_has_outputs(self.last):
             outputs -= 1
         completion = outputs if ask.streaming else (ask.max_tokens if outputs else 0)
-        scope = self.scope
-        weight = self.session.handler.edge.models.output_token_weight
-        scope.settle(token_cost(self.prompt_tokens, completion, weight))
         reason = ("length" if completion >= ask.max_tokens else "stop") if finished else "cancelled"
-        usage = UsageRecord(scope.tenant.name, scope.labels.model, self.id, self.prompt_tokens, completion, reason)
-        scope.account(usage if outputs else None, self.prompt_tokens + completion)
+        self.scope.settle_tokens(self.id, self.prompt_tokens, completion, reason if outputs else None)
 
     def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
         session = self.session
