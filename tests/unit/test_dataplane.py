@@ -20,6 +20,7 @@ CONFIG = parse_config(
         "tenants": [
             {"name": "acme", "api_keys": [{"key": "k"}], "max_class": "critical"},
             {"name": "one", "api_keys": [{"key": "k1"}], "limits": {"requests_per_second": 0.001, "burst": 1}},
+            {"name": "meter", "api_keys": [{"key": "k2"}], "limits": {"tokens_per_minute": 1000}},
         ],
     },
     source="<test>",
@@ -92,6 +93,37 @@ async def test_an_error_before_admission_is_counted_too() -> None:
             raise InvalidArgument("inputs must not be empty")
     labels = {"rpc": "Embed", "model": "m", "tenant": "acme", "class": "", "code": "INVALID_ARGUMENT"}
     assert _count(plane, "qosgate_requests_total", **labels) == 1
+
+
+async def _generation(plane: DataPlane, max_tokens: int, used: tuple[int, int], reason: str | None) -> None:
+    """One LLM call of tenant meter: 100 prompt tokens, `max_tokens` reserved, `used`
+    (prompt, completion) settled with `reason`."""
+    tenant = plane.directory.identify([("x-api-key", "k2")])
+    async with plane.open("GenerateStream", tenant, "m") as scope:
+        cost = scope.llm_cost(100, max_tokens)
+        assert (cost.tokens, cost.fair_share) == (100 + max_tokens, 100 + 2.0 * max_tokens)
+        await scope.admit(cost, priority_class=None, deadline=None)
+        scope.settle_tokens("r", *used, reason)
+
+
+async def test_an_llm_call_is_settled_at_what_it_used_and_recorded_once() -> None:
+    plane = _plane()  # tokens_per_minute 1000, and the clock never moves: nothing refills
+    await _generation(plane, 400, (100, 20), "stop")  # 500 reserved, 120 used
+    # Had the first call kept its 500, 800 more would not fit in the minute's 1000.
+    await _generation(plane, 700, (100, 700), "length")
+    with pytest.raises(QuotaExceeded):
+        await _generation(plane, 1, (0, 0), None)  # 920 + 101 > 1000
+    summary = await plane.usage.day_summary("meter", "2026-01-01")
+    assert (summary.requests, summary.prompt_tokens, summary.completion_tokens) == (2, 200, 720)
+    assert _count(plane, "qosgate_tokens_total", model="m", tenant="meter", kind="completion") == 720
+
+
+async def test_an_llm_call_the_engine_never_answered_costs_and_records_nothing() -> None:
+    plane = _plane()
+    await _generation(plane, 900, (100, 0), None)  # reserved 1000, the whole minute
+    await _generation(plane, 900, (100, 900), "length")  # fits: the first gave all of it back
+    summary = await plane.usage.day_summary("meter", "2026-01-01")
+    assert (summary.requests, summary.prompt_tokens, summary.completion_tokens) == (1, 100, 900)
 
 
 async def test_a_cancelled_call_frees_its_slot_for_the_next() -> None:
