@@ -167,6 +167,32 @@ def test_service_elsewhere_counts_in_the_order_here() -> None:
     assert c.release(x, 2.0) == [x2]  # x is still 4 behind y
 
 
+def test_after_redis_is_back_only_what_the_others_serve_from_then_on_counts_here() -> None:
+    c = core()
+    busy = waiter("filler")
+    c.submit(busy, 0.0)
+    x, y = waiter("x"), waiter("y")
+    c.submit(x, 0.0)
+    c.submit(y, 0.0)
+    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 0.5}, {}, {}), 0.0)
+    # Redis goes away; meanwhile the other gateway serves y 5 more. Back, its total of
+    # 5.5 is where counting starts again: y has 0.5 here, not 5.5.
+    c.cluster_apply(ALONE, 1.0)
+    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 5.5}, {}, {}), 2.0)
+    assert c.release(busy, 3.0) == [x]  # x 1, y 0.5
+    x2 = waiter("x")
+    c.submit(x2, 3.0)
+    assert c.release(x, 4.0) == [y]  # y 1.5
+    # From then on, service elsewhere counts again: 1 more there, y 2.5.
+    c.cluster_apply(ClusterView({("m", STANDARD, "y"): 6.5}, {}, {}), 5.0)
+    y2 = waiter("y")
+    c.submit(y2, 5.0)
+    assert c.release(y, 6.0) == [x2]  # x 2
+    x3 = waiter("x")
+    c.submit(x3, 6.0)
+    assert c.release(x2, 7.0) == [x3]
+
+
 def test_a_limited_tenant_waits_beyond_its_limit_until_let_go() -> None:
     c = SchedulingCore(parse_config({"models": {"m": {"dispatch_window": 4}}, "scheduler": {"window_reserve": 0}}))
     c.cluster_apply(ClusterView({}, {("m", STANDARD, "x"): 1}, {}), 0.0)

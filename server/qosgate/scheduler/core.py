@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from qosgate.config import GatewayConfig
 from qosgate.scheduler.classes import class_window, initial_window, sheddable_classes
-from qosgate.scheduler.cluster import ClusterView, GatewayReport, TenantShare
+from qosgate.scheduler.cluster import ALONE, ClusterView, GatewayReport, TenantShare
 from qosgate.scheduler.window import FairCaps, Pressure, TenantDemand
 from qosgate.errors import (
     DeadlineExceeded,
@@ -396,6 +396,10 @@ class SchedulingCore:
         # From the other gateways sharing Redis (scheduler/cluster.py).
         self._limits: dict[tuple[str, int, str], int] = {}
         self._remote_tokens: dict[str, int] = {}
+        # No other gateway's report last time (Redis unreachable, or none running): what
+        # they serve meanwhile is not counted here, and their next reports are where
+        # counting starts again.
+        self._apart = False
         self._served: dict[tuple[str, str], float] = {}
         self._unconfigured: dict[str, None] = {}  # insertion-ordered set
 
@@ -486,14 +490,23 @@ class SchedulingCore:
         """Take in what the other gateways reported: charge each tenant here for the
         service it got there since the last report, limit the tenants `view` holds back,
         count their tokens in flight there. Returns the waiters this lets go, as `release`
-        does."""
-        for name, model in self._models.items():
-            for level, klass in enumerate(model.classes):
-                for queue in klass.tenants.values():
-                    remote = view.remote_charged.get((name, level, queue.name), 0.0)
-                    if remote > queue.remote:
-                        klass.shift(queue, remote - queue.remote)
-                    queue.remote = remote  # a gateway gone takes its count with it
+        does.
+
+        After a time apart (`ALONE`: Redis did not answer), the others' totals include
+        what they served meanwhile, while this gateway served by its own share: charged
+        here at once, that would give the tenants served here the engine alone for as
+        long as the outage lasted. So those first totals are only noted."""
+        apart = view is ALONE
+        if not apart:
+            resuming = self._apart
+            for name, model in self._models.items():
+                for level, klass in enumerate(model.classes):
+                    for queue in klass.tenants.values():
+                        remote = view.remote_charged.get((name, level, queue.name), 0.0)
+                        if remote > queue.remote and not resuming:
+                            klass.shift(queue, remote - queue.remote)
+                        queue.remote = remote  # a gateway gone takes its count with it
+        self._apart = apart
         released = view.limits != self._limits
         self._limits = dict(view.limits)
         self._remote_tokens = dict(view.remote_tokens)
