@@ -158,7 +158,7 @@ triton: setup
 # idle (one-threaded mostly). The system packages come first, so that apt runs alone.
 test: system-deps-test
 	$(MAKE) -j2 --output-sync=target setup tools node-deps clients lint-protos typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-unit: venv protos native system-deps-test
 	$(PY) -m pytest -q tests/unit
