@@ -113,6 +113,12 @@ class Engine:
             raw = await reader.next()
             while await reader.next() is not None:  # a unary call answers one message
                 pass
+            if reader.status == UNIMPLEMENTED:
+                # Triton serves a decoupled model (an LLM backend) on ModelStreamInfer only.
+                raise errors.InvalidArgument(
+                    f"model {route.model!r} streams its responses (a decoupled model, such as an LLM): "
+                    f"it cannot answer this call with one response ({upstream_message(reader)})"
+                )
             if reader.status != OK:
                 raise upstream_error(reader)
             if raw is None:
@@ -123,10 +129,15 @@ class Engine:
             self.finish(route, reader)
 
 
+def upstream_message(reader: ClientReader) -> str:
+    """Triton's grpc-message of a failed call, decoded."""
+    return decode_message(http2.header(reader.trailers, b"grpc-message") or b"")
+
+
 def upstream_error(reader: ClientReader) -> errors.GatewayError:
     """The domain error for a call that Triton (or the way to it) failed."""
     status = UNAVAILABLE if reader.status is None else reader.status
-    message = decode_message(http2.header(reader.trailers, b"grpc-message") or b"")
+    message = upstream_message(reader)
     kind = _UPSTREAM_CODES.get(status)
     if kind is None:
         return errors.Internal(f"Triton failed: {code_name(status)}: {message}")
