@@ -28,7 +28,8 @@ def section_text(results: list[report.ScenarioResult], plotted: list[str],
         "measures and how to read it: [docs/performance.md](docs/performance.md)), on a shared",
         "2-core machine with no GPU and other jobs running: read the ratios to the references,",
         "measured in the same run, rather than the absolute numbers. The distance says by how",
-        "much each aim is met or missed.",
+        "much each aim is met or missed. Each entry of the Runs line names the machine that run",
+        "had: figures of runs on different machines do not compare.",
         "",
     ]
     fresh = {r.scenario: r for r in results}
@@ -48,7 +49,7 @@ def section_text(results: list[report.ScenarioResult], plotted: list[str],
                      report.aim_text(fig), report.verdict(fig),
                      "; ".join(x for x in (fig.reference, fig.note) if x), f"`{result.command}`"]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        runs.append(f"{scenario} {result.started_utc}")
+        runs.append(f"{scenario} {result.started_utc}" + (f" on {result.machine}" if result.machine else ""))
         if scenario in plotted:
             plots.append(f"![{scenario}]({PLOTS}/{scenario}.png)")
     lines += ["", f"Runs: {', '.join(runs)}." if runs else "No benchmark has been run yet."]

@@ -62,6 +62,7 @@ class ScenarioResult:
     tables: dict[str, list[dict[str, Any]]]
     notes: list[str] = dataclasses.field(default_factory=list)
     plot: str = ""
+    machine: str = ""  # the CPU it ran on (bench.scenarios.describe_machine); "" in older results
 
     def write(self, directory: pathlib.Path = RESULTS_DIR) -> pathlib.Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -147,7 +148,7 @@ def render(results: Sequence[ScenarioResult]) -> str:
             f"## {result.scenario}",
             "",
             f"`{result.command}`: {result.started_utc}, {result.duration_s:.0f} s"
-            + (" (quick mode)" if result.quick else ""),
+            + (" (quick mode)" if result.quick else "") + (f", on {result.machine}" if result.machine else ""),
             "",
             *figure_table(result.figures),
             "",

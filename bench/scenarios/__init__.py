@@ -5,11 +5,29 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib
+import os
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bench.report import RESULTS_DIR, SCENARIO_ORDER, Figure, ScenarioResult
+
+
+def describe_machine(cpuinfo: str, cores: int) -> str:
+    """The CPU a run had, as the README's Runs line names it: model, cores, widest vector
+    extension (smollm2 computes in bfloat16 with AVX-512, in float32 without). No commas:
+    the Runs line separates its entries with them."""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())}
+    model = " ".join(fields.get("model name", "unknown CPU").replace(",", " ").split())
+    flags = set(fields.get("flags", "").split())
+    vectors = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model} with {cores} cores and {vectors}"
+
+
+def this_machine() -> str:
+    """`describe_machine` of the machine this runs on."""
+    return describe_machine(pathlib.Path("/proc/cpuinfo").read_text(), len(os.sched_getaffinity(0)))
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,7 +59,7 @@ class RunContext:
         return ScenarioResult(
             scenario=self.scenario, command=self.command, quick=self.quick,
             started_utc=self.started_utc, duration_s=time.monotonic() - self.started,
-            figures=figures, tables=tables, notes=notes, plot=name,
+            figures=figures, tables=tables, notes=notes, plot=name, machine=this_machine(),
         )
 
 

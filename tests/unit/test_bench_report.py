@@ -10,6 +10,7 @@ import pytest
 from bench import readme, report
 from bench.profile import Profile
 from bench.report import Aim, Figure, ScenarioResult
+from bench.scenarios import describe_machine
 from bench.stats import jain_index, percentile
 
 
@@ -48,7 +49,7 @@ def _result() -> ScenarioResult:
         started_utc="2026-01-01 00:00 UTC", duration_s=12.0,
         figures=[Figure("admitted rate off the limit", 3.5, "%", Aim("<=", 2.0), reference="x"),
                  Figure("not measured yet", None, "%", Aim("<=", 2.0))],
-        tables={"tenants": [{"tenant": "a", "limit": 5.0}]},
+        tables={"tenants": [{"tenant": "a", "limit": 5.0}]}, machine="Test CPU with 2 cores and AVX2",
     )
 
 
@@ -115,7 +116,21 @@ def test_readme_update_keeps_the_rows_of_scenarios_not_run_again(tmp_path: pathl
     text = target.read_text()
     assert "| overhead | CPU per request | 80 us |" in text  # no result this time: as it was
     assert "9.9%" not in text and "| quota | admitted rate off the limit | 3.5% |" in text
-    assert "Runs: overhead 2025-12-01 10:00 UTC, quota 2026-01-01 00:00 UTC." in text
+    # A run names its machine; an entry kept from before stays as it was.
+    assert "Runs: overhead 2025-12-01 10:00 UTC, quota 2026-01-01 00:00 UTC on Test CPU with 2 cores and AVX2." in text
     assert "![overhead](docs/bench/overhead.png)" in text
     assert text.index("| overhead |") < text.index("| quota |")
     assert text.endswith("<!-- /section: performance -->\nnotes\n")
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "described"),
+    [
+        ("model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2\n", "AMD EPYC with 2 cores and AVX2"),
+        ("model name\t: Intel(R) Xeon(R) Gold, 6338\nflags\t\t: avx2 avx512f avx512bw\n",
+         "Intel(R) Xeon(R) Gold 6338 with 2 cores and AVX-512"),
+        ("processor\t: 0\n", "unknown CPU with 2 cores and no AVX2"),
+    ],
+)
+def test_a_run_names_its_cpu_without_commas(cpuinfo: str, described: str) -> None:
+    assert describe_machine(cpuinfo, 2) == described
