@@ -16,8 +16,7 @@ from bench.report import RESULTS_DIR, SCENARIO_ORDER, Figure, ScenarioResult
 
 def describe_machine(cpuinfo: str, cores: int) -> str:
     """The CPU a run had, as the README's Runs line names it: model, cores, widest vector
-    extension (smollm2 computes in bfloat16 with AVX-512, in float32 without). No commas:
-    the Runs line separates its entries with them."""
+    extension. No commas: the Runs line separates its entries with them."""
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())}
     model = " ".join(fields.get("model name", "unknown CPU").replace(",", " ").split())
     flags = set(fields.get("flags", "").split())

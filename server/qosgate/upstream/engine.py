@@ -36,7 +36,8 @@ _STREAM_INFER_PATH = path(STREAM_INFER)
 # Triton's codes that are the caller's to fix or retry; anything else is INTERNAL.
 _UPSTREAM_CODES: dict[int, type[errors.GatewayError]] = {
     INVALID_ARGUMENT: errors.InvalidArgument,
-    # The model cannot serve this API (ModelInfer on a decoupled LLM, say): the caller's choice.
+    # The model cannot serve this RPC: the caller's choice (ModelInfer on a decoupled model
+    # says so in Engine.infer).
     UNIMPLEMENTED: errors.InvalidArgument,
     NOT_FOUND: errors.NotFound,
     DEADLINE_EXCEEDED: errors.DeadlineExceeded,
