@@ -213,7 +213,8 @@ std::optional<std::chrono::milliseconds> RetryDelay(const grpc::Status& status) 
     google::rpc::RetryInfo info;
     if (detail.UnpackTo(&info)) {
       const auto& delay = info.retry_delay();
-      return std::chrono::duration_cast<std::chrono::milliseconds>(
+      // Rounded up: a retry sent before the delay is up would be refused again.
+      return std::chrono::ceil<std::chrono::milliseconds>(
           std::chrono::seconds(delay.seconds()) + std::chrono::nanoseconds(delay.nanos()));
     }
   }

@@ -323,7 +323,8 @@ public final class QosgateClient implements AutoCloseable {
         }
         options.onRetry.onRetry(code, wait);
         try {
-          Thread.sleep(wait.toMillis());
+          // Rounded up: a retry sent before the delay is up would be refused again.
+          Thread.sleep((wait.toNanos() + 999_999) / 1_000_000);
         } catch (InterruptedException interrupted) {
           Thread.currentThread().interrupt();
           throw refused;
