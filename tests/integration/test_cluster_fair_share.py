@@ -186,7 +186,9 @@ def test_shares_follow_the_weights_not_the_ingress_skew(cluster: tuple[GatewayPr
         # The limits that hold x back at gateway 1 move once a second, half way each time:
         # after 5 s, 1/32 of the way is left.
         time.sleep(WARM_UP_S)
-        weighted = load.shares_over(MEASURE_S)
+        # Half the interval: its thousands of calls (minilm serves hundreds a second) tell
+        # a share of 0.2 within the 10% asked.
+        weighted = load.shares_over(MEASURE_S / 2)
     total = weighted["x"] + weighted["y"]
     assert weighted["x"] / total == pytest.approx(0.2, rel=0.1), (weighted, load.x_share_by_5_s())
     assert weighted["y"] / total == pytest.approx(0.8, rel=0.1), weighted

@@ -26,7 +26,8 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from conftest import free_port, require_model, started_then_killed
+from conftest import free_port, kill_triton, require_model
+from conftest import test_models as models_under_test
 from qosgate import paths
 from qosgate.launcher import LocalTriton, TritonPorts
 
@@ -350,12 +351,17 @@ def test_refusals_are_invalid_argument_class(
     assert message in refused.value.read().decode()
 
 
-@pytest.fixture(scope="module")
-def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
+@pytest.fixture(scope="module", autouse=True)
+def one_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton | None]:
     """smollm2 with room for a single running sequence, so that requests queue in the
-    engine's scheduler and the order it picks them in becomes visible; on LAST_CPU. The
-    module's last test stops it the polite way; killed here only if a test failed first."""
-    require_model(MODEL)
+    engine's scheduler and the order it picks them in becomes visible; on LAST_CPU.
+    Started with the module's first test, so that its start-up (half a minute, mostly
+    vLLM's) runs beside the tests on the session's server instead of before the first test
+    on this one. The module's last test stops it the polite way; killed here only if a
+    test failed first."""
+    if MODEL not in models_under_test():
+        yield None
+        return
     repo = tmp_path_factory.mktemp("one-slot-repo")
     source = paths.model_repository() / MODEL
     (repo / MODEL / "1").mkdir(parents=True)
@@ -369,8 +375,19 @@ def one_slot_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
         log_path=repo / "tritonserver.log",
         cpus=[LAST_CPU],
     )
-    with started_then_killed(server):
+    server.start()
+    try:
         yield server
+    finally:
+        kill_triton(server)
+
+
+@pytest.fixture
+def one_slot_smollm2(one_slot_server: LocalTriton | None) -> LocalTriton:
+    require_model(MODEL)
+    assert one_slot_server is not None
+    one_slot_server.wait_ready()
+    return one_slot_server
 
 
 async def test_priority_reaches_the_engine_scheduler(one_slot_smollm2: LocalTriton) -> None:
