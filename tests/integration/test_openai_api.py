@@ -168,8 +168,8 @@ def test_errors_map_to_openai_statuses(gateway: GatewayThread) -> None:
     with pytest.raises(openai.BadRequestError, match="model 'smollm2' streams its responses"):
         client(gateway).embeddings.create(model="smollm2", input="x")
     # So is a chat with the embedding model, which Triton refuses before running it: the
-    # error still names the model.
-    with pytest.raises(openai.BadRequestError, match="model 'minilm': .*inputs"):
+    # error says what the model is not, and keeps Triton's words.
+    with pytest.raises(openai.BadRequestError, match="model 'minilm' is not a generation model: .* Triton said: .*inputs"):
         client(gateway).chat.completions.create(**{**chat, "model": "minilm"})  # type: ignore[call-overload]
     raw = httpx.post(f"{gateway.openai_url}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {USER_KEY}"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"

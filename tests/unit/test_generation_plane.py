@@ -189,6 +189,25 @@ async def test_engine_failure_before_any_output_costs_nothing() -> None:
     assert isinstance((await _collect(plane, GenerationCall(model="smollm2", prompt="x", max_tokens=90)))[-1], Finished)
 
 
+@pytest.mark.parametrize(
+    ("triton_says", "reworded"),
+    [
+        ("[request id: <id_unknown>] expected 1 inputs but got 7 inputs for model 'minilm'", True),
+        ("unexpected inference input 'text_input' for model 'minilm'", True),
+        ("prompt too long", False),
+    ],
+)
+async def test_inputs_a_model_does_not_take_say_it_is_no_generation_model(triton_says: str, reworded: bool) -> None:
+    engine = FakeEngine(STORY, fail_first=InvalidArgument(f"model 'smollm2': {triton_says}"))
+    plane, _, _, _ = _plane(engine)
+    with pytest.raises(InvalidArgument) as refused:
+        await _collect(plane, GenerationCall(model="smollm2", prompt="x"))
+    said = refused.value.message
+    assert said.endswith(triton_says)
+    assert ("model 'smollm2' is not a generation model" in said) is reworded, said
+    assert ("'vllm' adapter" in said) is reworded, said
+
+
 async def test_daily_budget_refuses_before_dispatch() -> None:
     engine = FakeEngine(STORY)
     plane, _, _, _ = _plane(engine, daily_token_budget=20)

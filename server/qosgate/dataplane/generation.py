@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,10 @@ from qosgate.upstream.pool import Route
 # The engine matches every stop string against each new token's text: a long list slows
 # the step of every request in the batch, not only its own.
 MAX_STOP_SEQUENCES = 16
+
+# How Triton words a request whose tensors are not the model's inputs (it checks them before
+# the model sees the request): a generation call to a model that is no LLM, such as minilm.
+_NOT_ITS_INPUTS = re.compile(r"expected \d+ inputs but got \d+ inputs|unexpected inference input")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,16 +157,17 @@ class GenerationPlane:
                     admitted.route, upstream.SerializeToString(), headers=admitted.trace, timeout_s=scope.timeout_s
                 )
                 async with contextlib.aclosing(stream):
-                    async for response in stream:
-                        responses += 1
-                        chunk = decoder.feed(response)
-                        if chunk.text:
-                            if first_token is None:
-                                first_token = self._clock.now()
-                            yield chunk.text
-                        if chunk.final:
-                            finished = chunk.finish_reason
-                            break
+                    with _generation_model(generation.model, policy.adapter):
+                        async for response in stream:
+                            responses += 1
+                            chunk = decoder.feed(response)
+                            if chunk.text:
+                                if first_token is None:
+                                    first_token = self._clock.now()
+                                yield chunk.text
+                            if chunk.final:
+                                finished = chunk.finish_reason
+                                break
                 if finished is None:
                     raise Internal(f"Triton ended the stream of request {request_id} before its final response")
                 now = self._clock.now()
@@ -214,3 +220,18 @@ class GenerationPlane:
         if adapter is None:
             adapter = self._adapters[model] = adapter_for(policy.adapter)
         return adapter
+
+
+@contextlib.contextmanager
+def _generation_model(model: str, adapter: str) -> Iterator[None]:
+    """Says what a refusal of the request's inputs means: `model` is not an LLM that takes
+    `adapter`'s tensors (Triton's own wording, kept after it, names only the tensors)."""
+    try:
+        yield
+    except InvalidArgument as e:
+        if not _NOT_ITS_INPUTS.search(e.message):
+            raise
+        raise InvalidArgument(
+            f"model {model!r} is not a generation model: it does not take the {adapter!r} adapter's "
+            f"inputs (its `adapter` in the gateway's config names them); Triton said: {e.message}"
+        ) from e
