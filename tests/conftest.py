@@ -89,11 +89,21 @@ def test_models() -> list[str]:
 _session_triton: list[LocalTriton] = []
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that never use the session's tritonserver (they start servers of their
+    own, or none) run right after the unit tests, in their usual order: its start-up then
+    runs beside them too, instead of holding up the first test that needs it. A module's
+    tests stay together, so its module-scoped fixtures start once."""
+    users = {getattr(item, "module", None) for item in items if "triton" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: getattr(item, "module", None) in users)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the session's tritonserver once the tests are collected, if any of them uses
-    it: its start-up (30-40 s, vLLM's engine the most of it) then runs beside the unit
-    tests, which run first (`testpaths`), instead of holding up the first test that needs
-    it. The `triton` fixture waits for it to be ready."""
+    it: its start-up (30-50 s, vLLM's engine the most of it) then runs beside the unit
+    tests, which run first (`testpaths`), and the modules that do not use it (above),
+    instead of holding up the first test that needs it. The `triton` fixture waits for it
+    to be ready."""
     if session.config.option.collectonly:
         return
     if not any("triton" in getattr(item, "fixturenames", ()) for item in session.items):
