@@ -216,6 +216,15 @@ async def test_a_repository_change_is_seen_at_once_on_recheck() -> None:
         assert pool.live
 
 
+async def test_a_closed_pool_starts_no_check() -> None:
+    """Regression: a recheck asked while the gateway stopped (a call failing as the
+    connections closed) spawned a check, then a health listener, on a loop about to stop."""
+    async with fake_triton(LoadingTriton({"identity"})) as port, started(port, check_interval_s=3600) as pool:
+        pass
+    pool.recheck(pool.upstreams[0])
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("upstream-")]
+
+
 async def test_an_unreadable_index_keeps_the_upstream_live_without_the_hint() -> None:
     async with fake_triton(LiveOnlyTriton()) as port, started(port, check_interval_s=3600) as pool:
         assert pool.live

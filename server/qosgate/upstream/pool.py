@@ -239,6 +239,7 @@ class UpstreamPool:
         self._background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._live = False
+        self._closed = False
 
     @property
     def live(self) -> bool:
@@ -339,6 +340,10 @@ class UpstreamPool:
         self._tasks.append(asyncio.create_task(self._poll(), name="upstream-health"))
 
     async def close(self) -> None:
+        # From here on nothing new is spawned: a recheck asked by a call failing as the
+        # connections close would start a check, then a health listener, on a loop about
+        # to stop (a coroutine never awaited).
+        self._closed = True
         tasks = [*self._tasks, *self._background]
         for task in tasks:
             task.cancel()
@@ -409,6 +414,9 @@ class UpstreamPool:
             self._spawn(listener(live), "upstream-health-listener")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
