@@ -466,10 +466,12 @@ class BatchConfig(_Frozen):
     priority_class: str | None = None
     """Class that batch items are scheduled at; default: the lowest class, so every other
     class wins the dispatch windows."""
-    max_in_flight: int = Field(default=4, ge=1)
-    """Batch items handed to the scheduler at a time (over all jobs). Below the models'
-    dispatch windows, so an interactive request finds a free slot instead of waiting for
-    a batch item to finish; enough to keep the engine's batches busy when idle."""
+    max_in_flight: int = Field(default=16, ge=1)
+    """Batch items handed to the scheduler at a time (over all jobs): enough to keep an
+    engine's batches full when nothing else runs, few enough that the batch class queue
+    stays short. What reaches the engine the scheduler decides: the batch class fills at
+    most its share of the dispatch window, the slots `window_reserve` keeps free wait for
+    the classes above."""
     max_attempts: int = Field(default=5, ge=1)
     """Dispatches of an item before a transient error (UNAVAILABLE, DEADLINE_EXCEEDED,
     INTERNAL) becomes its final result; quota refusals do not count."""

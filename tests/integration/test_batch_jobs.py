@@ -42,7 +42,7 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
         "openai": {"listen": "127.0.0.1:0", "files_db": str(tmp_path / "openai_files.sqlite3")},
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(tmp_path / "usage.sqlite3"),
-        "models": {"smollm2": {"dispatch_window": 8, "default_max_tokens": 16}},
+        "models": {"smollm2": {"default_max_tokens": 16}},
         "tenants": [
             {
                 "name": "acme",
@@ -54,7 +54,6 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[GatewayProcess]:
         ],
         "batch": {
             "db": str(tmp_path / "batch.sqlite3"),
-            "max_in_flight": 4,
             "retry_base_delay_s": 0.2,
             "callback_allowlist": [ALLOWED_HOOKS],
             "tenants": {"globex": {"max_queued_items": 5}},
