@@ -151,10 +151,7 @@ def prepare_gguf_model(
             _keep(snapshot, kept)
         (staged / "refs").mkdir()
         (staged / "refs" / "main").write_text(revision)
-        if entry.exists():
-            retired = pathlib.Path(tmp) / "retired"
-            entry.rename(retired)
-        staged.rename(entry)
+        _swap_in(staged, entry, pathlib.Path(tmp))
     log.info(
         "%s prepared in %.0fs at %s",
         source.hub_id,
@@ -162,6 +159,14 @@ def prepare_gguf_model(
         entry / "snapshots" / revision,
     )
     return entry / "snapshots" / revision
+
+
+def _swap_in(staged: pathlib.Path, target: pathlib.Path, trash: pathlib.Path) -> None:
+    """Rename `staged` to `target`, first moving an older `target` into `trash` (a
+    temporary directory on the same filesystem, removed with what it holds)."""
+    if target.exists():
+        target.rename(trash / "replaced")
+    staged.rename(target)
 
 
 # Conversions kept for other checkouts: the newest few (a new one comes only with a new
@@ -177,7 +182,7 @@ def _copied(kept: pathlib.Path, snapshot: pathlib.Path) -> bool:
     log.info("copying the conversion kept at %s", kept)
     try:
         shutil.copytree(kept, snapshot)
-    except (OSError, shutil.Error):
+    except OSError:  # shutil.Error included
         shutil.rmtree(snapshot, ignore_errors=True)
         return False
     return True
@@ -191,9 +196,7 @@ def _keep(snapshot: pathlib.Path, kept: pathlib.Path) -> None:
     with tempfile.TemporaryDirectory(prefix=".partial-", dir=kept.parent) as tmp:
         staged = pathlib.Path(tmp) / kept.name
         shutil.copytree(snapshot, staged)
-        if kept.exists():
-            kept.rename(pathlib.Path(tmp) / "replaced")
-        staged.rename(kept)
+        _swap_in(staged, kept, pathlib.Path(tmp))
     older = sorted(
         (d for d in kept.parent.iterdir() if not d.name.startswith(".")),
         key=lambda d: d.stat().st_mtime,

@@ -352,14 +352,20 @@ def test_refusals_are_invalid_argument_class(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton | None]:
+def one_slot_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalTriton | None]:
     """smollm2 with room for a single running sequence, so that requests queue in the
     engine's scheduler and the order it picks them in becomes visible; on LAST_CPU.
     Started with the module's first test, so that its start-up (half a minute, mostly
     vLLM's) runs beside the tests on the session's server instead of before the first test
-    on this one. The module's last test stops it the polite way; killed here only if a
-    test failed first."""
-    if MODEL not in models_under_test():
+    on this one, and only if a selected test uses it. The module's last test stops it the
+    polite way; killed here only if a test failed first."""
+    wanted = any(
+        item.module is request.module and "one_slot_smollm2" in getattr(item, "fixturenames", ())
+        for item in request.session.items
+    )
+    if not wanted or MODEL not in models_under_test():
         yield None
         return
     repo = tmp_path_factory.mktemp("one-slot-repo")
