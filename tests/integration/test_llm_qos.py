@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 # Greedy SmolLM2 counts on to max_tokens from this prompt: every request runs its length.
 COUNTING_PROMPT = "The numbers from one to one thousand: 1, 2, 3, 4,"
 LONG_TOKENS, SHORT_TOKENS = 128, 8
+# The quota tests' generations: long enough to hold their tokens while the next one asks.
+QUOTA_TOKENS = 48
 WINDOW = 8
 STREAMS = 12  # per tenant: together well above the window, so queues form in the gateway
 # Start-time fair queueing charges a request's whole estimated cost when it is dispatched,
@@ -69,8 +71,8 @@ def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
                 _tenant("short"),
                 _tenant("kserve-long"),
                 _tenant("kserve-short"),
-                _tenant("kv", max_inflight_tokens=250),
-                _tenant("metered", tokens_per_minute=200),
+                _tenant("kv", max_inflight_tokens=100),
+                _tenant("metered", tokens_per_minute=100),
             ],
         )
     )
@@ -253,13 +255,13 @@ def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(quota_gateway.url) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            # Each holds prompt + 128 tokens: one fits in 250, two do not. The second is sent
+            # Each holds prompt + 48 tokens: one fits in 100, two do not. The second is sent
             # once the first streams (so it is admitted and holds its tokens): however slow
             # the machine, the order is fixed.
             running = asyncio.Event()
-            first = asyncio.create_task(one(stub, LONG_TOKENS, running))
+            first = asyncio.create_task(one(stub, QUOTA_TOKENS, running))
             await asyncio.wait_for(running.wait(), timeout=60)
-            second = asyncio.create_task(one(stub, LONG_TOKENS))
+            second = asyncio.create_task(one(stub, QUOTA_TOKENS))
             (_, first_end), (second_start, _) = await asyncio.gather(first, second)
             # Queued in the gateway, not refused: it ran, and only after the first finished.
             assert second_start >= first_end, (second_start, first_end)
@@ -267,7 +269,7 @@ def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await one(stub, 1000)
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_inflight_tokens 250" in (refused.value.details() or "")
+            assert "max_inflight_tokens 100" in (refused.value.details() or "")
 
     asyncio.run(scenario())
     snapshot = quota_gateway.gateway.scheduler.snapshot()
@@ -295,14 +297,14 @@ def test_kserve_generations_are_charged_in_tokens_like_the_generation_apis(quota
     metadata = tuple(bearer("metered-key").items())
     with grpc.insecure_channel(quota_gateway.url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        # Prompt + 128 fits the bucket of 200 once; a second right after it does not (the
-        # bucket refills 200 a minute, and the first took its 146 in a few seconds).
-        served = list(stub.ModelStreamInfer(iter([_kserve_generation("first", LONG_TOKENS)]), metadata=metadata, timeout=120))
+        # Prompt + 48 fits the bucket of 100 once; a second right after it does not (the
+        # bucket refills 100 a minute, and the first took its 66 in a few seconds).
+        served = list(stub.ModelStreamInfer(iter([_kserve_generation("first", QUOTA_TOKENS)]), metadata=metadata, timeout=120))
         assert served and not any(r.error_message for r in served), served
-        refused = list(stub.ModelStreamInfer(iter([_kserve_generation("second", LONG_TOKENS)]), metadata=metadata, timeout=120))
+        refused = list(stub.ModelStreamInfer(iter([_kserve_generation("second", QUOTA_TOKENS)]), metadata=metadata, timeout=120))
         assert [r.error_message.split(":")[0] for r in refused] == ["RESOURCE_EXHAUSTED"], refused[:3]
         assert "tokens_per_minute" in refused[0].error_message and refused[0].infer_response.id == "second"
         usage = admin_pb2_grpc.AdminServiceStub(channel).GetUsage(admin_pb2.GetUsageRequest(), metadata=metadata, timeout=30)
     assert usage.today.requests == 1, usage
-    assert usage.today.completion_tokens == LONG_TOKENS, usage  # greedy counting runs its whole length
+    assert usage.today.completion_tokens == QUOTA_TOKENS, usage  # greedy counting runs its whole length
     assert usage.today.prompt_tokens > 0, usage

@@ -33,9 +33,9 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[tuple[GatewayProces
         "metrics_listen": "127.0.0.1:0",
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(tmp_path / "usage.sqlite3"),
-        "batch": {"db": str(tmp_path / "batch.sqlite3"), "max_in_flight": 16},
+        "batch": {"db": str(tmp_path / "batch.sqlite3")},
         "openai": {"listen": http, "files_db": str(tmp_path / "openai_files.sqlite3")},
-        "models": {"smollm2": {"dispatch_window": 16, "default_temperature": 0}},
+        "models": {"smollm2": {"default_temperature": 0}},
         "tenants": [
             {"name": "acme", "api_keys": [{"key": ACME_KEY}]},
             {"name": "other", "api_keys": [{"key": OTHER_KEY}], "models": ["minilm"]},
