@@ -190,7 +190,8 @@ def run(ctx: RunContext) -> ScenarioResult:
             measured = next(s for c, s in samples if c == BUSY and s.target == "qosgate" and not s.streaming)
             found = profile_gateway(stack, stack.gateway_url, BUSY, measured.point.throughput, ctx.pick(5.0, 15.0))
             notes.append(f"gateway profile: py-spy, {found.samples} samples at concurrency {BUSY} "
-                         "(non-blocking; idle threads excluded); raw stacks in overhead-gateway.pyspy.txt.")
+                         "(native frames, so the compiled modules show; samples waiting for I/O excluded); "
+                         "raw stacks in overhead-gateway.pyspy.txt.")
     figures, tables = summarise(samples, levels, {key: spread(group) for key, group in points.items()}
                                 if rounds > 1 else None)
     if found is not None:

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from bench import readme, report
-from bench.profile import Profile
+from bench.profile import Profile, parse
 from bench.report import Aim, Figure, ScenarioResult
 from bench.scenarios import describe_machine
 from bench.stats import jain_index, percentile
@@ -99,6 +99,21 @@ def test_profile_sums_functions_across_lines() -> None:
     })
     assert found.top(1, inclusive=False) == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
     assert found.top(5, inclusive=True, within="qosgate/") == [{"function": "work (qosgate/x.py)", "share %": 66.7}]
+
+
+def test_profile_names_compiled_functions_and_leaves_out_waiting_threads() -> None:
+    loop = "run (qosgate/app.py:445);uv__io_poll (linux.c:1546)"
+    found = parse(
+        f"{loop};CPyPy_qosgate___transport___peer___Peer___data_received (__native__native.c:216773);"
+        "CPyDef_qosgate___transport___peer___Peer___data_received (__native__native.c:216685);"
+        "write (libc.so.6) 3\n"
+        f"{loop};epoll_wait (libc.so.6) 5\n"
+        "main (threading.py:1);poll (libc.so.6) 4\n"
+    )
+    assert found.samples == 3  # the 9 waiting in the selector are no CPU
+    compiled = "transport.peer.Peer.data_received (qosgate/, compiled)"
+    assert found.top(1, inclusive=False) == [{"function": "write (libc.so.6)", "share %": 100.0}]
+    assert {"function": compiled, "share %": 100.0} in found.top(5, inclusive=True, within="qosgate/")
 
 
 def test_readme_update_keeps_the_rows_of_scenarios_not_run_again(tmp_path: pathlib.Path) -> None:
