@@ -37,6 +37,10 @@ class TritonStartError(RuntimeError):
     """tritonserver exited or did not become ready; the message carries the log tail."""
 
 
+class TritonStartTimeout(TritonStartError):
+    """tritonserver still ran, not ready, when the wait for it ran out (it is stopped)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TritonPorts:
     grpc: int = 8001
@@ -258,7 +262,8 @@ class LocalTriton:
         """Block until the server and every requested model are ready.
 
         Raises TritonStartError with the log tail if the server exits (a model that fails
-        to load makes tritonserver exit in explicit mode) or the timeout passes.
+        to load makes tritonserver exit in explicit mode), TritonStartTimeout if the timeout
+        passes (the server is stopped).
         """
         if self._proc is None:
             raise RuntimeError("not started")
@@ -275,7 +280,7 @@ class LocalTriton:
                 return
             time.sleep(0.5)
         self.stop()
-        raise TritonStartError(
+        raise TritonStartTimeout(
             f"tritonserver was not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
         )
 
