@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from conftest import free_port, kill_triton, require_model
+from conftest import free_port, kill_triton, require_model, wait_ready
 from gateway_harness import ACME_KEY, GatewayThread, bearer, gateway_config
 from qosgate.launcher import LocalTriton, TritonPorts, side_by_side_cpus
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
@@ -54,7 +54,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalTri
         for server in servers:
             server.start()
         for server in servers:
-            server.wait_ready()
+            wait_ready(server)
         yield servers
     finally:
         for server in servers:

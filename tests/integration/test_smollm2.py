@@ -26,7 +26,7 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from conftest import free_port, kill_triton, require_model
+from conftest import free_port, kill_triton, require_model, wait_ready
 from conftest import test_models as models_under_test
 from qosgate import paths
 from qosgate.launcher import LocalTriton, TritonPorts
@@ -392,7 +392,7 @@ def one_slot_server(
 def one_slot_smollm2(one_slot_server: LocalTriton | None) -> LocalTriton:
     require_model(MODEL)
     assert one_slot_server is not None
-    one_slot_server.wait_ready()
+    wait_ready(one_slot_server)
     return one_slot_server
 
 
