@@ -235,6 +235,7 @@ class GatewayProcess:
                 except grpc.RpcError:
                     pass
                 time.sleep(0.2)
+        self.stop()  # not left running behind the failed test
         raise TimeoutError(f"gateway not serving: {self.log_text()[-3000:]}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
