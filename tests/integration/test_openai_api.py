@@ -4,6 +4,7 @@ real gateway (in-process, port 0) and real Triton (smollm2, minilm)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -197,15 +198,29 @@ def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out
     sdk = client(gateway, METERED_KEY)
     # A long generation holds its reservation (prompt + 400 of the 600 tokens a minute)
     # while it runs; a request needing ~270 more does not fit in what is left, and the
-    # bucket needs ~9 s to refill that. An earlier test's requests still in the engine
-    # would delay the first token by those seconds, and the SDK's first attempt below
-    # would fit: start from an idle engine.
+    # bucket needs ~8 s to refill that. So that request is sent as soon as the long one is
+    # dispatched (its tokens reserved), not after its first token: the SDK returns a stream
+    # only then, and on a loaded machine that took long enough once for the bucket to
+    # refill and the request below to fit. An earlier test's requests still in the engine
+    # would count as dispatched: start from an idle engine.
     engine_idle(triton, "an earlier request never left the engine")
-    started = time.monotonic()
-    held = sdk.completions.create(model="smollm2", prompt=COUNTING_PROMPT, max_tokens=400, temperature=0, stream=True)
+
+    async def dispatched() -> int:
+        return gateway.gateway.scheduler.snapshot().in_flight.get("smollm2", 0)
+
+    streams: list[openai.Stream[openai.types.Completion]] = []
+    holder = threading.Thread(
+        target=lambda: streams.append(
+            sdk.completions.create(model="smollm2", prompt=COUNTING_PROMPT, max_tokens=400, temperature=0, stream=True)
+        )
+    )
+    holder.start()
     try:
-        next(iter(held))
-        first_token_s = time.monotonic() - started
+        deadline = time.monotonic() + 60
+        while gateway.run(dispatched()) < 1:
+            assert time.monotonic() < deadline, "the long generation was never dispatched"
+            time.sleep(0.01)
+        started = time.monotonic()
         request = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 240}
         with pytest.raises(openai.RateLimitError) as refused:
             client(gateway, METERED_KEY, max_retries=0).chat.completions.create(**request)  # type: ignore[call-overload]
@@ -230,9 +245,12 @@ def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out
         patient = client(gateway, METERED_KEY, max_retries=3, http_client=http)
         reply = patient.chat.completions.create(**request)  # type: ignore[call-overload]
     finally:
-        held.close()
+        holder.join(timeout=120)
+        for stream in streams:
+            stream.close()
+    assert streams, "the long generation did not start streaming"
     assert "Paris" in (reply.choices[0].message.content or "")
-    assert len(attempts) >= 2, f"not refused, {attempts[0] - started:.1f} s after the held request (first token {first_token_s:.1f} s)"
+    assert len(attempts) >= 2, f"not refused, {attempts[0] - started:.1f} s after the held request's dispatch"
     assert 0 < told_ms[0] <= retry_after_ms
     assert attempts[1] - attempts[0] >= 0.9 * told_ms[0] / 1000 - 0.5
 
