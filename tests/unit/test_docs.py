@@ -12,7 +12,10 @@ from qosgate import paths
 ROOT = paths.project_root()
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-PAGES = sorted([README, *DOCS.rglob("*.md"), *ROOT.glob("*/README.md")])
+# The project's folders' READMEs; not the ones tools write into hidden folders of the
+# checkout (pytest's .pytest_cache/README.md appeared after a first run, one test more).
+FOLDER_READMES = [p for p in ROOT.glob("*/README.md") if not p.parent.name.startswith(".")]
+PAGES = sorted([README, *DOCS.rglob("*.md"), *FOLDER_READMES])
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
