@@ -56,7 +56,9 @@ SEEDS: dict[str, dict[str, Any]] = {
 OTHER_ROUTES = [
     ("GET", "/models"),
     ("GET", "/models/{id}"),
+    ("GET", "/files"),
     ("GET", "/files/{id}"),
+    ("DELETE", "/files/{id}"),
     ("GET", "/files/{id}/content"),
     ("GET", "/batches"),
     ("GET", "/batches/{id}"),
@@ -293,7 +295,15 @@ def test_fuzz_file_uploads(http: httpx.Client) -> None:
 def test_fuzz_other_routes(http: httpx.Client, method: str, route: str) -> None:
     require_model("identity")
     ids = st.one_of(st.text(min_size=1, max_size=40), st.sampled_from(["batch_x", "file-x", "identity", "x" * 5000]))
-    queries = st.fixed_dictionaries({}, optional={"limit": st.sampled_from(["", "0", "1", "101", "-1", "x", "9" * 30]), "after": st.text(max_size=20)})
+    queries = st.fixed_dictionaries(
+        {},
+        optional={
+            "limit": st.sampled_from(["", "0", "1", "101", "-1", "x", "9" * 30]),
+            "after": st.text(max_size=20),
+            "order": st.sampled_from(["", "asc", "desc", "ASC", "x"]),
+            "purpose": st.text(max_size=20),
+        },
+    )
 
     @FUZZ
     @given(ids, queries, raw_bodies(), HEADERS)

@@ -136,3 +136,42 @@ def test_embedding_batch_cancel_and_tenant_isolation(gateway: tuple[GatewayProce
     assert acme.batches.cancel(running.id).status in ("cancelling", "cancelled")
     cancelled = _wait(acme, running.id, lambda b: b.status == "cancelled", timeout_s=60)
     assert cancelled.request_counts.completed < 100
+
+
+def test_uploads_are_listed_a_page_at_a_time_and_deleted_by_their_tenant_only(gateway: tuple[GatewayProcess, str]) -> None:
+    _, base_url = gateway
+    acme, other = _client(base_url), _client(base_url, OTHER_KEY)
+    uploads = [acme.files.create(file=(f"in-{i}.jsonl", _jsonl([_chat_line(i)])), purpose="batch") for i in range(3)]
+    theirs = other.files.create(file=("theirs.jsonl", _jsonl([_chat_line(9)])), purpose="batch")
+    ids = [u.id for u in uploads]
+
+    # Newest first by default, oldest first with order=asc; two pages of two.
+    first = acme.files.list(limit=2)
+    assert [f.id for f in first.data] == ids[::-1][:2] and first.has_more
+    assert [f.id for f in first.get_next_page().data] == ids[:1]
+    assert [f.id for f in acme.files.list(limit=2, order="asc")] == ids  # the SDK follows has_more
+    assert [f.id for f in acme.files.list(purpose="batch")] == ids[::-1]
+    assert list(acme.files.list(purpose="fine-tune")) == []
+    assert [f.id for f in other.files.list()] == [theirs.id]
+    with pytest.raises(openai.BadRequestError, match="order"):
+        acme.files.list(order="sideways")
+
+    # A batch made from an upload keeps its items once the upload is deleted.
+    batch = acme.batches.create(input_file_id=ids[0], endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        other.files.delete(ids[0])  # another tenant's file is no file
+    deleted = acme.files.delete(ids[0])
+    assert (deleted.id, deleted.deleted) == (ids[0], True)
+    with pytest.raises(openai.NotFoundError):
+        acme.files.retrieve(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        acme.files.delete(ids[0])
+    assert [f.id for f in acme.files.list()] == ids[:0:-1]
+    done = _wait(acme, batch.id, lambda b: b.status == "completed")
+    assert done.request_counts.completed == 1 and done.input_file_id == ids[0]
+    # Output files are the batch's results, not stored uploads: not deletable.
+    with pytest.raises(openai.BadRequestError, match="cannot be deleted"):
+        acme.files.delete(done.output_file_id)
+    with pytest.raises(openai.NotFoundError):
+        other.files.delete(done.output_file_id)
+    assert acme.files.content(done.output_file_id).text.count("\n") == 1

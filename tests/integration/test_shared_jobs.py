@@ -221,3 +221,9 @@ def test_openai_batch_round_trip_across_two_gateways(gateways: tuple[GatewayProc
     assert sorted(line["custom_id"] for line in output) == sorted(line["custom_id"] for line in lines)
     assert all(len(line["response"]["body"]["data"][0]["embedding"]) == 384 for line in output)
     assert output == [json.loads(line) for line in on_other.files.content(seen.output_file_id).text.splitlines()]
+    # The upload is listed on either gateway, and deleted through one it is gone from both.
+    assert [f.id for f in on_other.files.list()] == [uploaded.id]
+    assert on_one.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        on_other.files.retrieve(uploaded.id)
+    assert list(on_other.files.list()) == []

@@ -107,6 +107,27 @@ class OpenAIBatches:
             "status": "processed",
         }
 
+    async def list_files(
+        self, tenant: Tenant, *, purpose: str | None, limit: int, after: str | None, ascending: bool
+    ) -> dict[str, Any]:
+        """The tenant's uploaded files, a page at a time (output and error files are not
+        stored: each batch names its own)."""
+        # One more than asked tells whether another page exists.
+        stored = await self._files.list_files(
+            tenant.name, purpose=purpose, limit=limit + 1, after_id=after, ascending=ascending
+        )
+        return _page([_file_json(file) for file in stored[:limit]], has_more=len(stored) > limit)
+
+    async def delete_file(self, tenant: Tenant, file_id: str) -> dict[str, Any]:
+        job_id, _ = _output_of(file_id)
+        if job_id is not None:
+            await self._jobs.get_job(tenant.name, job_id)  # NotFound where it is not the tenant's
+            raise errors.InvalidArgument(
+                f"{file_id!r} is rendered from batch {job_id!r}'s results, not stored: it cannot be deleted"
+            )
+        await self._files.delete_file(tenant.name, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def file_content(self, tenant: Tenant, file_id: str) -> bytes:
         job_id, suffix = _output_of(file_id)
         if job_id is None:
@@ -191,13 +212,7 @@ class OpenAIBatches:
                 data.append(self._batch_json(await self._jobs.get_job(tenant.name, link.job_id), link))
             except errors.NotFound:
                 continue  # past its retention: the job store dropped it
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(links) > limit,
-        }
+        return _page(data, has_more=len(links) > limit)
 
     async def cancel(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
         link = await self._files.batch_link(tenant.name, batch_id)
@@ -271,6 +286,17 @@ def _output_of(file_id: str) -> tuple[str | None, str]:
         if file_id.startswith("file-batch_") and file_id.endswith(suffix):
             return file_id[len("file-") : -len(suffix)], suffix
     return None, ""
+
+
+def _page(data: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
+    """A page of a cursor-paged list, as the OpenAI API answers one."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def _file_json(stored: StoredFile) -> dict[str, Any]:

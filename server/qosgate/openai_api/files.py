@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS openai_batches (
     created_at {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS openai_batches_by_tenant ON openai_batches (tenant, created_at, job_id);
+CREATE INDEX IF NOT EXISTS openai_files_by_tenant ON openai_files (tenant, created_at, id);
 """
 # Replicas starting together must not both create the tables (PostgreSQL): the DDL runs
 # under this advisory lock, apart from the job store's.
@@ -132,6 +133,41 @@ class FileStore(abc.ABC):
         if row is None:
             raise NotFound(f"no file {file_id!r}")
         return bytes(row[0])
+
+    async def list_files(
+        self, tenant: str, *, purpose: str | None, limit: int, after_id: str | None, ascending: bool
+    ) -> list[StoredFile]:
+        """The tenant's uploaded files (of `purpose`, if given), newest first unless
+        `ascending`, after `after_id` (a cursor: a file of the tenant's) if given."""
+        query = "SELECT id, tenant, purpose, filename, bytes, created_at FROM openai_files WHERE tenant = ?"
+        args: list[object] = [tenant]
+        if purpose is not None:
+            query += " AND purpose = ?"
+            args.append(purpose)
+        direction, beyond = ("ASC", ">") if ascending else ("DESC", "<")
+        if after_id is not None:
+            query += (
+                f" AND (created_at, id) {beyond} (SELECT created_at, id FROM openai_files"
+                " WHERE id = ? AND tenant = ?)"
+            )
+            args += [after_id, tenant]
+        query += f" ORDER BY created_at {direction}, id {direction} LIMIT ?"
+        args.append(limit)
+
+        async def work(db: SqlSession) -> list[tuple[Any, ...]]:
+            return await db.all(query, args)
+
+        return [StoredFile(*row) for row in await self._write(work)]
+
+    async def delete_file(self, tenant: str, file_id: str) -> None:
+        """Delete an uploaded file and its content; NotFound for another tenant's file as
+        for a missing one. Batches made from it keep their items (copied at creation)."""
+
+        async def work(db: SqlSession) -> tuple[Any, ...] | None:
+            return await db.one("DELETE FROM openai_files WHERE id = ? AND tenant = ? RETURNING id", (file_id, tenant))
+
+        if await self._write(work) is None:
+            raise NotFound(f"no file {file_id!r}")
 
     async def link_batch(self, tenant: str, link: BatchLink) -> None:
         async def work(db: SqlSession) -> None:

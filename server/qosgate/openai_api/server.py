@@ -107,7 +107,9 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/files", self.upload_file)
+        app.router.add_get("/v1/files", self.list_files)
         app.router.add_get("/v1/files/{file_id}", self.file)
+        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
         app.router.add_get("/v1/files/{file_id}/content", self.file_content)
         app.router.add_post("/v1/batches", self.create_batch)
         app.router.add_get("/v1/batches", self.list_batches)
@@ -369,6 +371,24 @@ class OpenAIServer:
             raise errors.InvalidArgument("multipart fields 'file' and 'purpose' are required")
         return purpose, filename, content
 
+    async def list_files(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise errors.InvalidArgument("order must be 'asc' or 'desc'")
+        return web.json_response(
+            await self._batches.list_files(
+                tenant,
+                purpose=request.query.get("purpose") or None,
+                limit=_page_size(request),
+                after=request.query.get("after") or None,
+                ascending=order == "asc",
+            )
+        )
+
+    async def delete_file(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(await self._batches.delete_file(self._tenant(request), request.match_info["file_id"]))
+
     async def file(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(await self._batches.file(self._tenant(request), request.match_info["file_id"]))
 
@@ -383,14 +403,8 @@ class OpenAIServer:
 
     async def list_batches(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
-        try:
-            limit = int(request.query.get("limit", DEFAULT_PAGE_SIZE))
-        except ValueError:
-            raise errors.InvalidArgument("limit must be an integer") from None
-        if not 1 <= limit <= MAX_PAGE_SIZE:
-            raise errors.InvalidArgument(f"limit must be in [1, {MAX_PAGE_SIZE}]")
         return web.json_response(
-            await self._batches.list_batches(tenant, limit=limit, after=request.query.get("after") or None)
+            await self._batches.list_batches(tenant, limit=_page_size(request), after=request.query.get("after") or None)
         )
 
     async def batch(self, request: web.Request) -> web.StreamResponse:
@@ -398,6 +412,17 @@ class OpenAIServer:
 
     async def cancel_batch(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(await self._batches.cancel(self._tenant(request), request.match_info["batch_id"]))
+
+
+def _page_size(request: web.Request) -> int:
+    """A list's `limit` query parameter: DEFAULT_PAGE_SIZE, or 1 to MAX_PAGE_SIZE."""
+    try:
+        limit = int(request.query.get("limit", DEFAULT_PAGE_SIZE))
+    except ValueError:
+        raise errors.InvalidArgument("limit must be an integer") from None
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise errors.InvalidArgument(f"limit must be in [1, {MAX_PAGE_SIZE}]")
+    return limit
 
 
 class _StreamFailed(Exception):
