@@ -317,6 +317,7 @@ class Gateway:
                     directory=self.directory,
                     config=self.config.batch,
                     max_file_bytes=self.config.openai.max_file_bytes,
+                    max_stored_bytes=self.config.openai.max_stored_bytes,
                 ),
                 tls=server_context(tls, HTTP1_ALPN) if tls is not None else None,
             )

@@ -613,6 +613,9 @@ class OpenAIConfig(_Frozen):
     `<state_dir>/openai_files.sqlite3`."""
     max_file_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest batch input file accepted by `POST /v1/files`."""
+    max_stored_bytes: int = Field(default=1024 * 1024 * 1024, ge=1)
+    """Most bytes of uploaded files one tenant keeps stored: an upload that would pass it
+    is refused 400 until the tenant deletes files (`DELETE /v1/files/{id}`)."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     """Largest JSON body of the other endpoints, as sent and as decoded (gzip, deflate)."""
     request_timeout_s: float = Field(default=600.0, gt=0)

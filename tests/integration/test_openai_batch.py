@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ACME_KEY = "oai-batch-acme-key"
 OTHER_KEY = "oai-batch-other-key"
 LINES = 200
+# Each tenant's uploads kept at once: room for every test's files, and for one of the two
+# big ones below, not both.
+STORED_BYTES = 100_000
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def gateway(triton: LocalTriton, tmp_path: Path) -> Iterator[tuple[GatewayProces
         "upstreams": [{"name": "local", "url": triton.ports.grpc_url}],
         "usage_db": str(tmp_path / "usage.sqlite3"),
         "batch": {"db": str(tmp_path / "batch.sqlite3")},
-        "openai": {"listen": http, "files_db": str(tmp_path / "openai_files.sqlite3")},
+        "openai": {"listen": http, "files_db": str(tmp_path / "openai_files.sqlite3"), "max_stored_bytes": STORED_BYTES},
         "models": {"smollm2": {"default_temperature": 0}},
         "tenants": [
             {"name": "acme", "api_keys": [{"key": ACME_KEY}]},
@@ -175,3 +178,11 @@ def test_uploads_are_listed_a_page_at_a_time_and_deleted_by_their_tenant_only(ga
     with pytest.raises(openai.NotFoundError):
         other.files.delete(done.output_file_id)
     assert acme.files.content(done.output_file_id).text.count("\n") == 1
+
+    # The storage a tenant's uploads take is bounded: past it, uploads wait for deletes.
+    big = acme.files.create(file=("big-1.jsonl", b"x" * (STORED_BYTES * 3 // 5)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="storage limit"):
+        acme.files.create(file=("big-2.jsonl", b"x" * (STORED_BYTES * 3 // 5)), purpose="batch")
+    assert other.files.create(file=("big.jsonl", b"x" * (STORED_BYTES * 3 // 5)), purpose="batch").bytes  # its own
+    acme.files.delete(big.id)
+    assert acme.files.create(file=("big-2.jsonl", b"x" * (STORED_BYTES * 3 // 5)), purpose="batch").bytes

@@ -74,6 +74,7 @@ class OpenAIBatches:
         directory: TenantDirectory,
         config: BatchConfig,
         max_file_bytes: int,
+        max_stored_bytes: int,
     ) -> None:
         self._files = files
         self._jobs = jobs
@@ -81,6 +82,7 @@ class OpenAIBatches:
         self._directory = directory
         self._config = config
         self._max_file_bytes = max_file_bytes
+        self._max_stored_bytes = max_stored_bytes
 
     # -- files ---------------------------------------------------------------------------
 
@@ -89,7 +91,10 @@ class OpenAIBatches:
             raise errors.InvalidArgument(f"purpose {purpose!r} is not supported; use 'batch'")
         if len(content) > self._max_file_bytes:
             raise errors.InvalidArgument(f"file is larger than {self._max_file_bytes} bytes")
-        return _file_json(await self._files.add_file(tenant.name, purpose=purpose, filename=filename, content=content))
+        stored = await self._files.add_file(
+            tenant.name, purpose=purpose, filename=filename, content=content, max_stored_bytes=self._max_stored_bytes
+        )
+        return _file_json(stored)
 
     async def file(self, tenant: Tenant, file_id: str) -> dict[str, Any]:
         job_id, suffix = _output_of(file_id)

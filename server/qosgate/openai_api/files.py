@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qosgate.database import SqliteDatabase
-from qosgate.errors import NotFound, Unavailable
+from qosgate.errors import InvalidArgument, NotFound, Unavailable
 from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.store import SqlSession, T
 
@@ -95,19 +95,34 @@ class FileStore(abc.ABC):
     async def close(self) -> None:
         """Release the file or connections."""
 
-    async def add_file(self, tenant: str, *, purpose: str, filename: str, content: bytes) -> StoredFile:
+    async def add_file(
+        self, tenant: str, *, purpose: str, filename: str, content: bytes, max_stored_bytes: int
+    ) -> StoredFile:
+        """Store an upload; InvalidArgument where the tenant's stored files would pass
+        `max_stored_bytes` with it (checked in the transaction that inserts it: uploads
+        racing on two PostgreSQL replicas may each pass it by their own size)."""
         stored = StoredFile(
             f"file-{secrets.token_hex(12)}", tenant, purpose, filename, len(content), self._wall_time()
         )
 
-        async def work(db: SqlSession) -> None:
+        async def work(db: SqlSession) -> int:
+            row = await db.one("SELECT COALESCE(SUM(bytes), 0) FROM openai_files WHERE tenant = ?", (tenant,))
+            kept = int(row[0]) if row is not None else 0
+            if kept + stored.bytes > max_stored_bytes:
+                return kept
             await db.execute(
                 "INSERT INTO openai_files (id, tenant, purpose, filename, bytes, created_at, content)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stored.id, tenant, purpose, filename, stored.bytes, stored.created_at, content),
             )
+            return kept
 
-        await self._write(work)
+        kept = await self._write(work)
+        if kept + stored.bytes > max_stored_bytes:
+            raise InvalidArgument(
+                f"storage limit: the tenant's files take {kept} bytes, and this one's {stored.bytes} would pass"
+                f" max_stored_bytes {max_stored_bytes}; delete files first (DELETE /v1/files/{{id}})"
+            )
         return stored
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile:
