@@ -342,7 +342,7 @@ async def test_a_replica_killed_fails_over_what_had_no_response_and_loses_no_cal
             # 1500 tokens outlast the wait above on any CPU: every stream still runs.
             assert not any(end.done() for end in stream_ends), [end.result() for end in stream_ends if end.done()]
         finally:
-            os.killpg(victim.pid, signal.SIGKILL)
+            kill_triton(victim)  # kill -9, and the shared memory it leaves in /dev/shm removed
         await calls_past(before_kill, 3.0)
         stop.set()
         await asyncio.gather(*callers)
