@@ -228,8 +228,8 @@ async def _saturate(url: str, load: Load) -> tuple[dict[str, float], str]:
                 for loop in loops:
                     if loop.done():
                         loop.result()  # a stream that failed fails the test with its error
-                delivered = sum(service.between(lo, now) for service in services.values())
-                burst = max(_per_second(services, lo, now), default=0.0)
+                seconds = _per_second(services, lo, now)
+                delivered, burst = sum(seconds), max(seconds, default=0.0)
                 measured = delivered >= MEASURE_SERVICE and burst <= MAX_SECOND_SHARE * delivered
                 if (measured and now - lo >= MEASURE_MIN_S) or now - lo >= MEASURE_CAP_S:
                     break

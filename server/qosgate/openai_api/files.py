@@ -105,24 +105,21 @@ class FileStore(abc.ABC):
             f"file-{secrets.token_hex(12)}", tenant, purpose, filename, len(content), self._wall_time()
         )
 
-        async def work(db: SqlSession) -> int:
+        async def work(db: SqlSession) -> None:
             row = await db.one("SELECT COALESCE(SUM(bytes), 0) FROM openai_files WHERE tenant = ?", (tenant,))
             kept = int(row[0]) if row is not None else 0
             if kept + stored.bytes > max_stored_bytes:
-                return kept
+                raise InvalidArgument(
+                    f"storage limit: the tenant's files take {kept} bytes, and this one's {stored.bytes} would pass"
+                    f" max_stored_bytes {max_stored_bytes}; delete files first (DELETE /v1/files/{{id}})"
+                )
             await db.execute(
                 "INSERT INTO openai_files (id, tenant, purpose, filename, bytes, created_at, content)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stored.id, tenant, purpose, filename, stored.bytes, stored.created_at, content),
             )
-            return kept
 
-        kept = await self._write(work)
-        if kept + stored.bytes > max_stored_bytes:
-            raise InvalidArgument(
-                f"storage limit: the tenant's files take {kept} bytes, and this one's {stored.bytes} would pass"
-                f" max_stored_bytes {max_stored_bytes}; delete files first (DELETE /v1/files/{{id}})"
-            )
+        await self._write(work)
         return stored
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile:
