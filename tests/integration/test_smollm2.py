@@ -166,10 +166,20 @@ def test_dtype_auto_is_bfloat16_only_on_a_cpu_that_computes_in_it(smollm2: Local
 
 
 def test_the_model_runs_in_the_engine_core_process_on_a_cpu(smollm2: LocalTriton) -> None:
-    # model.json names no executor: on vLLM's CPU backend the backend picks `uni`.
-    ready = re.search(r"vllm backend: \S+ ready \(.*executor=(\w+)\)", smollm2.log_path.read_text(errors="replace"))
-    assert ready is not None, "the backend's ready line names no executor"
+    # model.json names no executor: on vLLM's CPU backend the backend picks `uni`, and
+    # binds the engine (VLLM_CPU_OMP_THREADS_BIND unset: auto) to all cores but the last.
+    log = smollm2.log_path.read_text(errors="replace")
+    ready = re.search(r"vllm backend: \S+ ready \(.*executor=(\w+), cpus=([\d,]+)\)", log)
+    assert ready is not None, "the backend's ready line names no executor and CPUs"
     assert ready.group(1) == "uni"
+    cpus = {int(cpu) for cpu in ready.group(2).split(",")}
+    allowed = os.sched_getaffinity(0)
+    assert cpus < allowed if len(allowed) > 1 else cpus == allowed
+    assert smollm2.pid is not None
+    tree = _process_tree(smollm2.pid)
+    assert not any("VLLM::Worker" in p.name() for p in tree)
+    (core,) = [p for p in tree if "EngineCore" in p.name()]
+    assert {frozenset(os.sched_getaffinity(thread.id)) for thread in core.threads()} == {frozenset(cpus)}
 
 
 async def test_greedy_answer_mentions_paris(smollm2: LocalTriton) -> None:
