@@ -33,6 +33,7 @@ locale.setlocale(locale.LC_ALL, "C.UTF-8")
 import asyncio
 import dataclasses
 import functools
+import gc
 import json
 import os
 import threading
@@ -56,6 +57,12 @@ PRIORITY_PARAMETER = "vllm_priority"
 # How often queued or running requests are checked for client cancellation: a
 # cancelled request costs at most this much engine time before it is aborted.
 CANCEL_POLL_S = 0.1
+# How long the engine-core process gets to exit at unload before it is killed. It has
+# nothing left to finish by then (every request was aborted), but its teardown (a full
+# garbage collection, then interpreter exit) took 4-5 s on 2 cores, past the exit timeout
+# `qosgate up` gives Triton (5 s), which then killed this stub mid-shutdown (a segfault
+# on every stop).
+ENGINE_EXIT_S = 1.0
 # Keys a client may not set: the backend owns how outputs are delivered, and one
 # request yields one completion (send n requests for n completions).
 RESERVED_SAMPLING_KEYS = frozenset({"output_kind", "skip_clone", "n"})
@@ -594,9 +601,13 @@ class TritonPythonModel:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._engine.shutdown()
+            self._engine.shutdown(timeout=ENGINE_EXIT_S)
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._metrics.close()
+        # What is left (vLLM's client, torch, the tokenizer) goes with the process: frozen,
+        # the interpreter's last collection skips it. Collecting it took the stub past
+        # Triton's exit timeout, which then killed the stub mid-collection (a segfault).
+        gc.freeze()

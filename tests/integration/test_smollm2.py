@@ -505,3 +505,8 @@ def test_stop_leaves_no_process_behind(one_slot_smollm2: LocalTriton) -> None:
     while (leftovers := [_describe(p) for p in tree if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert leftovers == []
+    # ... and the polite way: the model unloaded within Triton's exit timeout, rather than
+    # a stub killed mid-shutdown (it used to segfault on every stop).
+    log = server.log_path.read_text(errors="replace")
+    assert f"successfully unloaded '{MODEL}'" in log, server.log_tail()
+    assert "Exit timeout expired" not in log and "Segfault" not in log, server.log_tail()
