@@ -38,7 +38,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -347,69 +347,6 @@ def resolve_cpu_dtype(settings: dict[str, Any], bf16_native: bool) -> dict[str, 
     return {**settings, "dtype": "bfloat16" if bf16_native else "float32"}
 
 
-def cpu_list(text: str) -> list[int]:
-    """A Linux CPU list ("0-3,8", as in VLLM_CPU_OMP_THREADS_BIND or sysfs) as CPU ids."""
-    return [
-        cpu
-        for part in text.strip().split(",")
-        for first, _, last in [part.partition("-")]
-        for cpu in range(int(first), int(last or first) + 1)
-    ]
-
-
-def first_sibling(cpu: int) -> int:
-    """The first logical CPU of `cpu`'s physical core (itself where sysfs does not say)."""
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list", encoding="utf-8") as f:
-            return cpu_list(f.read())[0]
-    except (OSError, ValueError, IndexError):
-        return cpu
-
-
-def one_process_cpu_engine(
-    settings: dict[str, Any],
-    environ: Mapping[str, str],
-    allowed: Sequence[int],
-    core_of: Callable[[int], int] = first_sibling,
-) -> tuple[dict[str, Any], dict[str, str], list[int]]:
-    """On vLLM's CPU backend, the model runs in the engine core's own process (vLLM's
-    `uni` executor), unless model.json names a `distributed_executor_backend` or more
-    than one rank. Returns the settings, the environment variables to set before the
-    engine starts, and the CPUs its OpenMP threads are bound to (none: unbound).
-
-    vLLM's CPU platform otherwise forces its `mp` executor: the engine core spawns one
-    worker that imports vLLM again (14 s more start-up on 2 cores) and hands it every step
-    through shared memory; the engine was ready 33-39 s after start in one process
-    against 50-54 s with the worker. vLLM keeps `uni` only with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0; AsyncLLM still runs its engine core in a process of
-    its own, spawned after these variables are set, so binding its OpenMP threads (torch's
-    libgomp, which vLLM preloads) places the engine.
-
-    The placement is VLLM_CPU_OMP_THREADS_BIND's, which the `mp` executor applies to its
-    worker: a CPU list binds the engine to those CPUs; `nobind` leaves it free on every
-    CPU of `allowed`; `auto` (the default), like vLLM's, takes one logical CPU per
-    physical core of `allowed` and leaves the last core to the rest of the host (Triton,
-    the stub, a gateway beside it). On 2 cores, an engine on both cores generated 25%
-    faster, but the gateway's calls then waited for CPU: TTFT p50 through the gateway
-    rose from 98% to 109-138% of direct's."""
-    ranks = settings.get("tensor_parallel_size", 1) * settings.get("pipeline_parallel_size", 1)
-    if "distributed_executor_backend" in settings or ranks != 1:
-        return settings, {}, []
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    mask = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if mask == "nobind":
-        cpus: list[int] = []
-    elif mask == "auto":
-        cores = sorted({core_of(cpu) for cpu in allowed})
-        cpus = cores[:-1] if len(cores) > 1 else cores
-    else:
-        cpus = cpu_list(mask)
-    if cpus:
-        env["OMP_NUM_THREADS"] = str(len(cpus))
-        env["GOMP_CPU_AFFINITY"] = " ".join(str(cpu) for cpu in cpus)
-    return {**settings, "distributed_executor_backend": "uni"}, env, cpus
-
-
 class TritonPythonModel:
     """Triton's entry points: initialize, execute (returns at once), finalize."""
 
@@ -426,20 +363,9 @@ class TritonPythonModel:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
-        engine_cpus: list[int] = []
         if current_platform.is_cpu():
             with open("/proc/cpuinfo", encoding="utf-8") as f:
                 engine_settings = resolve_cpu_dtype(engine_settings, cpu_bf16_native(f.read()))
-            try:
-                engine_settings, engine_env, engine_cpus = one_process_cpu_engine(
-                    engine_settings, os.environ, sorted(os.sched_getaffinity(0))
-                )
-            except ValueError:
-                raise pb_utils.TritonModelException(
-                    "VLLM_CPU_OMP_THREADS_BIND must be auto, nobind or a CPU list such as 0-3,8: "
-                    f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']!r}"
-                ) from None
-            os.environ.update(engine_env)
 
         try:
             engine_args = AsyncEngineArgs(**engine_settings)
@@ -462,9 +388,7 @@ class TritonPythonModel:
         self._watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self._loop)
         self.logger.log_info(
             f"vllm backend: {engine_args.model} ready (dtype={self._engine.model_config.dtype}, "
-            f"max_model_len={self._max_model_len}, scheduling_policy={engine_args.scheduling_policy}, "
-            f"executor={self._engine.vllm_config.parallel_config.distributed_executor_backend}, "
-            f"cpus={','.join(map(str, engine_cpus)) or 'any'})"
+            f"max_model_len={self._max_model_len}, scheduling_policy={engine_args.scheduling_policy})"
         )
 
     async def _start_engine(self, engine_args: AsyncEngineArgs) -> AsyncLLM:
