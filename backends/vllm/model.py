@@ -57,11 +57,11 @@ PRIORITY_PARAMETER = "vllm_priority"
 # How often queued or running requests are checked for client cancellation: a
 # cancelled request costs at most this much engine time before it is aborted.
 CANCEL_POLL_S = 0.1
-# How long the engine-core process gets to exit at unload before it is killed. It has
-# nothing left to finish by then (every request was aborted), but its teardown (a full
-# garbage collection, then interpreter exit) took 4-5 s on 2 cores, past the exit timeout
-# `qosgate up` gives Triton (5 s), which then killed this stub mid-shutdown (a segfault
-# on every stop).
+# How long the engine-core process gets to exit at unload before vLLM kills it and its
+# worker. It has nothing left to finish by then (every request was aborted), but its
+# teardown (the worker's, a full garbage collection, interpreter exit) took 4-5 s on 2
+# cores, past the exit timeout `qosgate up` gives Triton (5 s), which then killed this
+# stub mid-shutdown (a segfault on every stop). Killed, they leave no shared memory.
 ENGINE_EXIT_S = 1.0
 # Keys a client may not set: the backend owns how outputs are delivered, and one
 # request yields one completion (send n requests for n completions).
