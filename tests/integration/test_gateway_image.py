@@ -7,8 +7,9 @@ docker/Dockerfile itself so the two cannot drift apart:
   cache would) and its `pip wheel` command builds ours. The mypyc step is not run again:
   the checkout's compiled modules, which that COPY carries, were built by `make test`
   from this source, and the install below proves their recorded hashes match it;
-- the runtime stage's `pip install` puts the wheel into a fresh virtualenv (a Python an
-  unprivileged user may run), owned by root, whose site-packages are then made read-only;
+- the runtime stage's `uv pip install` (with the uv of `make setup`, whose version its
+  mount names) puts the wheel into a fresh virtualenv (a Python an unprivileged user may
+  run), owned by root, whose site-packages are then made read-only;
 - its user (uid), environment, state directory and command run docker/gateway.yaml as the
   compose file mounts it, with the upstream pointed at the test Triton and the job store
   at the test PostgreSQL (stand-ins for the compose services), on free loopback ports.
@@ -57,6 +58,7 @@ DOCKER = ROOT / "docker"
 DEMO_KEY = "demo-acme-key"  # docker/gateway.yaml's acme
 # An interpreter an unprivileged user may run (this one lives under /root): the system's.
 SYSTEM_PYTHON = "/usr/bin/python3"
+UV = str(pathlib.Path(sys.executable).with_name("uv"))  # the one `make setup` installs
 # The places any user may create files in (checked for the gateway's: it must have none).
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
@@ -64,6 +66,7 @@ WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 @dataclass
 class Stage:
     instructions: list[tuple[str, str]]  # (INSTRUCTION, arguments), continuation lines joined
+    mounts: list[dict[str, str]]  # each RUN --mount's options
 
     def all(self, name: str) -> list[str]:
         return [args for instruction, args in self.instructions if instruction == name]
@@ -77,7 +80,13 @@ def dockerfile_stages() -> list[Stage]:
             continue
         instruction, _, args = line.strip().partition(" ")
         if instruction == "FROM":
-            stages.append(Stage([]))
+            stages.append(Stage([], []))
+        if stages and instruction == "RUN":
+            flags, args = re.match(r"((?:--\S+\s+)*)(.*)", args.strip()).groups()
+            for flag in flags.split():
+                name, _, options = flag.removeprefix("--").partition("=")
+                assert name == "mount", flag
+                stages[-1].mounts.append(dict(option.split("=", 1) for option in options.split(",")))
         if stages:
             stages[-1].instructions.append((instruction, args.strip()))
     return stages
@@ -171,11 +180,17 @@ def image() -> Iterator[Image]:
                     **{"/wheels": str(wheels)})
         run_command(step(build, "pip wheel").replace("pip ", f"{python} -m pip ", 1), context,
                     **{"/wheels": str(wheels)})
-        # Runtime stage: a fresh venv owned by root, the wheel installed as the image does.
+        # Runtime stage: a fresh venv owned by root, the wheel installed as the image does,
+        # with the build stage's wheels and the uv image's binary mounted.
+        mounts = {mount["target"]: mount for mount in runtime.mounts}
+        assert mounts["/wheels"]["from"] == "build" and mounts["/wheels"]["source"] == "/wheels"
+        uv_version = subprocess.run([UV, "--version"], capture_output=True, text=True, check=True).stdout.split()[1]
+        assert mounts["/bin/uv"]["from"] == f"ghcr.io/astral-sh/uv:{uv_version}", mounts["/bin/uv"]
         venv = root / "venv"
-        subprocess.run([SYSTEM_PYTHON, "-m", "venv", str(venv)], check=True)
-        pip_install = step(runtime, "pip install").replace("--no-cache-dir ", "")  # the test's pip cache
-        run_command(f"{venv}/bin/{pip_install}", root, **{"/wheels": str(wheels)})
+        subprocess.run([UV, "venv", "--quiet", "--python", SYSTEM_PYTHON, str(venv)], check=True)
+        install = step(runtime, "uv pip install").replace("--no-cache ", "")  # the test's uv cache
+        run_command(install.replace("--system", f"--python {venv}/bin/python"), root,
+                    **{"/wheels": str(wheels), "uv ": f"{UV} "})
         (site_packages,) = venv.glob("lib/python3*/site-packages")
         for path in [site_packages, *site_packages.rglob("*")]:
             mode = path.lstat().st_mode
@@ -202,7 +217,7 @@ def image() -> Iterator[Image]:
 
 
 def test_a_gateway_only_install_has_no_engine_and_both_commands(image: Image) -> None:
-    listed = subprocess.run([str(image.venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
+    listed = subprocess.run([UV, "pip", "list", "--python", str(image.venv / "bin" / "python"), "--format=json"],
                             capture_output=True, text=True, check=True).stdout
     installed = {p["name"].lower() for p in json.loads(listed)}
     assert "qosgate" in installed and "tritonclient" in installed
