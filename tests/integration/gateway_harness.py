@@ -200,16 +200,31 @@ class GatewayProcess:
         A config without a `state_dir` keeps its state in DIRECTORY, and one without an
         `openai` section serves it on a free port: no test takes the shared .cache or the
         default port 8080."""
-        config = {"state_dir": str(directory), **config}
-        if "openai" not in config:
-            config = {**config, "openai": {"listen": "127.0.0.1:0"}}
-        path = directory / "gateway.yaml"
-        path.write_text(yaml.safe_dump(config))
-        process = cls(path, directory / "gateway.log").start()
-        try:
+        with cls.side_by_side((config, directory)) as (process,):
             yield process
+
+    @classmethod
+    @contextlib.contextmanager
+    def side_by_side(cls, *gateways: tuple[dict[str, Any], pathlib.Path]) -> Iterator[list[GatewayProcess]]:
+        """`running` for several (config, directory) pairs, started at once (a start is
+        mostly the interpreter importing, one core's work) and each waited for."""
+        processes = []
+        for config, directory in gateways:
+            config = {"state_dir": str(directory), **config}
+            if "openai" not in config:
+                config = {**config, "openai": {"listen": "127.0.0.1:0"}}
+            path = directory / "gateway.yaml"
+            path.write_text(yaml.safe_dump(config))
+            processes.append(cls(path, directory / "gateway.log"))
+        try:
+            for process in processes:
+                process.launch()
+            for process in processes:
+                process.wait_serving()
+            yield processes
         finally:
-            process.stop()
+            for process in processes:
+                process.stop()
 
     @property
     def target(self) -> str:
@@ -220,8 +235,15 @@ class GatewayProcess:
 
     def start(self, timeout_s: float = 60.0) -> GatewayProcess:
         """Start it and wait until its health service says SERVING."""
+        self.launch()
+        return self.wait_serving(timeout_s)
+
+    def launch(self) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, **self._popen)
+
+    def wait_serving(self, timeout_s: float = 60.0) -> GatewayProcess:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)

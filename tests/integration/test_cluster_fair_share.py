@@ -161,10 +161,9 @@ def cluster(triton: Any, redis_server: RedisServer, tmp_path: pathlib.Path) -> I
     (tmp_path / "1").mkdir()
     (tmp_path / "2").mkdir()
     weights = {"x": 1.0, "y": 1.0}
-    with (
-        GatewayProcess.running(config(triton, redis_server.url, prefix, weights), tmp_path / "1") as one,
-        GatewayProcess.running(config(triton, redis_server.url, prefix, weights), tmp_path / "2") as two,
-    ):
+    with GatewayProcess.side_by_side(
+        *((config(triton, redis_server.url, prefix, weights), tmp_path / name) for name in ("1", "2"))
+    ) as (one, two):
         yield one, two
 
 

@@ -10,7 +10,6 @@ the batch created on the other, its output read back on the first.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -64,13 +63,9 @@ def gateways(
     triton: LocalTriton, store_url: str, tmp_path: Path
 ) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
     require_model("minilm")
-    with contextlib.ExitStack() as stack:
-        one, other = (
-            stack.enter_context(
-                GatewayProcess.running(gateway_config(tmp_path / name, triton, store_url), tmp_path / name)
-            )
-            for name in ("a", "b")
-        )
+    with GatewayProcess.side_by_side(
+        *((gateway_config(tmp_path / name, triton, store_url), tmp_path / name) for name in ("a", "b"))
+    ) as (one, other):
         yield one, other
 
 
