@@ -1,8 +1,10 @@
-"""Routing and failover across two real Triton replicas (identity and smollm2 on each).
+"""Routing and failover across two real Triton replicas serving identity and smollm2: the
+session's tritonserver (a) and one started here (b).
 
 Which replica served what is read from each Triton's own statistics (ModelStatistics
 success counts), not from the gateway, so the test checks where requests really ran.
-The kill -9 test comes last: it takes one replica down for the rest of the module.
+The kill -9 test comes last: it takes b down for the rest of the module (never a, which
+serves the modules after this one).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from conftest import free_port, kill_triton, require_model, wait_ready
+from conftest import engine_idle, free_port, kill_triton, require_model, started_then_killed
 from gateway_harness import ACME_KEY, GatewayThread, bearer, gateway_config
 from qosgate.launcher import LocalTriton, TritonPorts, side_by_side_cpus
 from qosgate.v1 import generation_pb2, generation_pb2_grpc
@@ -41,24 +43,16 @@ SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalTriton]]:
-    """Two tritonservers, each with identity and smollm2, started side by side."""
+def replicas(triton: LocalTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalTriton]]:
+    """The session's tritonserver and a second one with identity and smollm2, its engine on
+    the CPUs the session's leaves (left to itself, vLLM binds to the first core)."""
     require_model(LLM)
     require_model("identity")
-    servers = []
-    for name, cpus in zip("ab", side_by_side_cpus(2), strict=True):
-        ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
-        log_path = tmp_path_factory.mktemp(f"triton-{name}") / "tritonserver.log"
-        servers.append(LocalTriton(models=["identity", LLM], ports=ports, log_path=log_path, cpus=cpus))
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            wait_ready(server)
-        yield servers
-    finally:
-        for server in servers:
-            kill_triton(server)
+    ports = TritonPorts(grpc=free_port(), http=free_port(), metrics=free_port())
+    log_path = tmp_path_factory.mktemp("triton-b") / "tritonserver.log"
+    other = LocalTriton(models=["identity", LLM], ports=ports, log_path=log_path, cpus=side_by_side_cpus(2)[-1])
+    with started_then_killed(other):
+        yield [triton, other]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +170,19 @@ def sessions_owned(gateway: GatewayThread) -> dict[str, str]:
     raise AssertionError("no session maps to each replica")
 
 
+def tenant_served_at(replicas: list[LocalTriton], gateway: GatewayThread, replica: LocalTriton) -> str:
+    """A tenant whose system prompt `replica` owns: where a 2-token call of it ran."""
+    index = replicas.index(replica)
+    with grpc.insecure_channel(gateway.url) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        for tenant in ("acme corp", "globex", "initech", "umbrella", "hooli", "soylent", "wonka", "tyrell"):
+            before = served(replicas, LLM)
+            assert list(stub.GenerateStream(chat(tenant, "Hello?", 2), metadata=ACME, timeout=120))[-1].HasField("usage")
+            if served(replicas, LLM)[index] > before[index]:
+                return tenant
+    raise AssertionError("no tenant's prompt maps to the replica")
+
+
 async def idle(gateway: GatewayThread) -> None:
     """Until no call is in flight at any upstream."""
     deadline = time.monotonic() + 30
@@ -254,7 +261,11 @@ async def test_a_replica_killed_fails_over_what_had_no_response_and_loses_no_cal
     """One kill -9 under load (starting a vLLM replica again would cost half a minute):
     generations past their first token at the victim end UNAVAILABLE, requests of a
     ModelStreamInfer call that had no response yet go once more to the survivor and are
-    served, and unary calls are served or, retried and still refused, UNAVAILABLE."""
+    served, and unary calls are served or, retried and still refused, UNAVAILABLE. The
+    victim is b: the session's server, a, owns the long streams' prompt."""
+    survivor, victim = replicas
+    victim_name = "b"
+    tenant = tenant_served_at(replicas, gateway, survivor)
     metadata = tuple(bearer(ACME_KEY).items())
     by_name = {u.name: u for u in gateway.gateway.pool.upstreams}
     llm_failovers = {
@@ -272,7 +283,7 @@ async def test_a_replica_killed_fails_over_what_had_no_response_and_loses_no_cal
         # Six long streams of one prefix: the load bound puts at least two on each replica.
         streams = [
             generation.GenerateStream(
-                chat("acme corp", f"Write a very long essay about harbour number {i}.", 1500),
+                chat(tenant, f"Write a very long essay about harbour number {i}.", 1500),
                 metadata=metadata,
                 timeout=300,
             )
@@ -280,13 +291,11 @@ async def test_a_replica_killed_fails_over_what_had_no_response_and_loses_no_cal
         ]
         firsts = [await stream.read() for stream in streams]
         assert all(first.text for first in firsts), "every stream has its first token before the kill"
-        # The victim: the replica with fewer of them (the prefix's spill-over, two or three),
-        # where the load bound still takes two more.
-        victim_name = min(by_name, key=lambda name: by_name[name].in_flight)
+        # The victim has no more of them than the owner (the prefix's spill-over, two or
+        # three), so the load bound still takes two more there.
         at_victim = by_name[victim_name]
-        victim = replicas["ab".index(victim_name)]
         long_at_victim = at_victim.in_flight
-        assert long_at_victim >= 2, {name: u.in_flight for name, u in by_name.items()}
+        assert 2 <= long_at_victim <= by_name["a"].in_flight, {name: u.in_flight for name, u in by_name.items()}
 
         async def finish(stream: grpc.aio.UnaryStreamCall) -> str:
             # A stream that ends OK has ended complete, with its usage; one cut short
@@ -368,8 +377,9 @@ async def test_a_replica_killed_fails_over_what_had_no_response_and_loses_no_cal
         await asyncio.gather(*stream_ends, return_exceptions=True)
 
         # After the kill, the survivor serves new streams of the same prefix.
-        after = [r async for r in generation.GenerateStream(chat("acme corp", "Hello?", 2), metadata=metadata, timeout=120)]
+        after = [r async for r in generation.GenerateStream(chat(tenant, "Hello?", 2), metadata=metadata, timeout=120)]
         assert after[-1].HasField("usage")
+    engine_idle(survivor, "the cancelled streams still run on the session's server", timeout=60)
 
     assert before_kill > 0 and len(codes) > before_kill
     # Unary calls: served (on the survivor or, retried, there), or refused UNAVAILABLE only
