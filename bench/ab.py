@@ -18,7 +18,7 @@ import os
 import statistics
 
 from bench import perf
-from bench.scenarios.overhead import MODEL, MODELS, TENANTS, Sample, measure_target
+from bench.scenarios.overhead import MODEL, TENANTS, Sample, measure_target
 from bench.stack import GroupProcess, Stack, checked
 
 
@@ -46,10 +46,10 @@ def main() -> None:
                 os.environ["PYTHONPATH"] = path
             try:
                 if second:
-                    url = stack.start_second_gateway(tenants=TENANTS, models=MODELS)
+                    url = stack.start_second_gateway(tenants=TENANTS)
                     assert stack.second_gateway is not None
                     return url, stack.second_gateway
-                url = stack.start_gateway(tenants=TENANTS, models=MODELS)
+                url = stack.start_gateway(tenants=TENANTS)
                 assert stack.gateway is not None
                 return url, stack.gateway
             finally:

@@ -49,11 +49,10 @@ BUSY = 16
 # A point runs for seconds; perf_analyzer's own hang after the last response (bench/perf.py)
 # costs this long before the point runs again.
 PERF_TIMEOUT_S = 120.0
+# The gateways have their defaults: no per-model setting (the `auto` dispatch window).
 TENANTS = [{"name": "bench", "api_keys": [{"key": API_KEY}]}]
 # The gateway of the same config with `quota_store: redis` (measured at BUSY, unary).
 REDIS_GATEWAY = "qosgate redis"
-# The gateway's per-model settings (bench.ab measures the same gateway).
-MODELS = {MODEL: {"dispatch_window": 64}}
 ROUNDS = 3  # in the full run
 
 
@@ -159,7 +158,8 @@ def run(ctx: RunContext) -> ScenarioResult:
     levels: list[int] = ctx.pick([1, 4, 16], [1, 2, 4, 8, 16, 32])
     rounds: int = ctx.pick(1, ROUNDS)
     settings = perf.PerfSettings(requests=ctx.pick(5000, 8000))
-    notes = [f"identity model (FP32[16]) as shipped, perf_analyzer 2.51.0 closed loop, "
+    notes = [f"identity model (FP32[16]) as shipped, the gateways with their defaults (no per-model setting), "
+             f"perf_analyzer 2.51.0 closed loop, "
              f"{settings.requests} requests per point and round; nginx 1 worker with grpc_pass and upstream keepalive."]
     if rounds > 1:
         notes.append(f"{rounds} rounds, each with nginx, the relay alone, both gateways and Redis started afresh; "
@@ -205,10 +205,10 @@ def start_hops(stack: Stack, with_gateway: bool) -> list[tuple[str, str, GroupPr
         ("direct", stack.triton_url, None), ("nginx", stack.start_nginx(), stack.nginx)]
     if with_gateway:
         targets.append(("relay alone", stack.start_relay_alone(), stack.relay_alone))
-        url = stack.start_gateway(tenants=TENANTS, models=MODELS)
+        url = stack.start_gateway(tenants=TENANTS)
         targets.append(("qosgate", url, stack.gateway))
         stack.start_redis()
-        url = stack.start_second_gateway(tenants=TENANTS, models=MODELS, redis=True)
+        url = stack.start_second_gateway(tenants=TENANTS, redis=True)
         targets.append((REDIS_GATEWAY, url, stack.second_gateway))
     return targets
 
