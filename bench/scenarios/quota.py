@@ -98,7 +98,7 @@ def run(ctx: RunContext) -> ScenarioResult:
         notes.append("qosgate serve is not available in this checkout: nothing measured.")
         return ctx.result([Figure("admitted rate error", None, "%", Aim("<=", 2.0))], {}, notes)
     with checked(Stack(models=[MODEL, LLM])) as stack:
-        url = stack.start_gateway(tenants=TENANTS, models={LLM: {"dispatch_window": 16}})
+        url = stack.start_gateway(tenants=TENANTS)
         outcomes = asyncio.run(drive(url, seconds))
         token_outcomes = asyncio.run(drive_tokens(url, token_seconds))
     rows, figures = [], []
