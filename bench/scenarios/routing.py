@@ -232,13 +232,12 @@ def run(ctx: RunContext) -> ScenarioResult:
                           replicas=2)) as stack:
         # First calls of a fresh engine are slow (warm-up of its kernels): pay for them
         # before either policy is measured.
-        url = stack.start_gateway(tenants=GATEWAY_TENANTS, models={MODEL: {"dispatch_window": 2 * CONCURRENCY}})
+        url = stack.start_gateway(tenants=GATEWAY_TENANTS)
         asyncio.run(measure(stack, url, Run("engine warm-up"), 0.0, warmup))
         for r in runs:
             stack.wait_idle(MODEL)
             routing = {"policy": r.policy, "prefix_bytes": PREFIX_BYTES}
-            url = stack.start_gateway(tenants=GATEWAY_TENANTS, models={
-                MODEL: {"dispatch_window": 2 * CONCURRENCY, "routing": routing}})
+            url = stack.start_gateway(tenants=GATEWAY_TENANTS, models={MODEL: {"routing": routing}})
             asyncio.run(measure(stack, url, r, warmup, seconds))
     affinity, least = pooled(runs, "prefix_affinity"), pooled(runs, "least_loaded")
     figures = [
