@@ -21,7 +21,7 @@ import time
 
 from tritonclient.grpc import service_pb2
 
-from bench.scenarios.overhead import API_KEY, MODEL, MODELS, TENANTS
+from bench.scenarios.overhead import API_KEY, MODEL, TENANTS
 from qosgate.app import Gateway
 from qosgate.config import parse_config
 from qosgate.relay.infer_policy import InferAdmissionPolicy
@@ -45,8 +45,8 @@ def head() -> CallHead:
 
 
 async def measure(calls: int, rounds: int) -> list[float]:
-    config = parse_config({"upstreams": [{"name": "triton", "url": "127.0.0.1:1"}], "tenants": TENANTS,
-                           "models": MODELS}, source="bench.policy")
+    config = parse_config({"upstreams": [{"name": "triton", "url": "127.0.0.1:1"}], "tenants": TENANTS},
+                          source="bench.policy")
     gateway = Gateway(config, serve_metrics=False)
     for upstream in gateway.pool.upstreams:
         upstream.live = True
