@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Coroutine, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import uvloop
@@ -44,7 +44,6 @@ from qosgate.dataplane.tracing import Tracing
 from qosgate.edge import Edge
 from qosgate.jobs.callbacks import HttpCallbackSender
 from qosgate.jobs.item_executor import PlaneItemExecutor
-from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.runner import JobRunner, RetryPolicy
 from qosgate.jobs.sqlite_store import SqliteJobStore
 from qosgate.jobs.store import JobStore
@@ -58,7 +57,6 @@ from qosgate.openai_api.batches import OpenAIBatches
 from qosgate.openai_api.files import FileStore, PostgresFileStore, SqliteFileStore
 from qosgate.openai_api.server import OpenAIServer
 from qosgate.quota import Admission, InMemoryQuotaStore, QuotaStore, StreamLimiter
-from qosgate.quota.redis_store import RedisQuotaStore
 from qosgate.quota.tokens import DailyTokenBudget
 from qosgate.relay.infer_policy import InferAdmissionPolicy
 from qosgate.relay.kserve_rpcs import PREFIX as KSERVE_PREFIX
@@ -80,6 +78,9 @@ from qosgate.upstream.engine import Engine
 from qosgate.upstream.engine_load import EngineLoadReader
 from qosgate.usage import UsageLedger, UsageMeter
 from qosgate.v1 import admin_pb2, batch_pb2, embedding_pb2, generation_pb2
+
+if TYPE_CHECKING:
+    from qosgate.quota.redis_store import RedisQuotaStore
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +140,7 @@ class Gateway:
             self.pool.engine_load,
         )
         self.directory = TenantDirectory(config)
-        # Redis when several gateway replicas must enforce one set of limits together.
-        self._shared_quota = (
-            RedisQuotaStore.from_config(config.quota_store, clock=self.clock)
-            if config.quota_store.backend == "redis"
-            else None
-        )
+        self._shared_quota = self._redis_quota(config, self.clock)
         quota_store: QuotaStore = self._shared_quota or InMemoryQuotaStore()
         # Gateways sharing Redis share each model's fair share too (scheduler/cluster.py).
         self._cluster = (
@@ -184,7 +180,7 @@ class Gateway:
         self.engine = Engine(self.pool, max_response_bytes=config.limits.max_response_bytes)
         self.generation = GenerationPlane(config=config, edge=self.edge, engine=self.engine, clock=self.clock)
         self.embedding = EmbeddingPlane(config=config, edge=self.edge, engine=self.engine, clock=self.clock)
-        self.jobs = self._job_store(config, self.state_dir)
+        self.jobs, self.openai_files = self._job_stores(config, self.state_dir)
         self.batch_runner = JobRunner(
             self.jobs,
             PlaneItemExecutor(self.generation, self.embedding),
@@ -201,13 +197,6 @@ class Gateway:
                 max_delay_s=config.batch.retry_max_delay_s,
             ),
         )
-        # Beside the job store: in its PostgreSQL database when that is shared, so a file
-        # uploaded through one replica is there for the others.
-        self.openai_files: FileStore = (
-            PostgresFileStore(self.jobs, wall_time=time.time)
-            if isinstance(self.jobs, PostgresJobStore)
-            else SqliteFileStore(config.openai.files_db or self.state_dir / "openai_files.sqlite3", wall_time=time.time)
-        )
         self.openai: OpenAIServer | None = None
         self._batch_task: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
@@ -222,11 +211,26 @@ class Gateway:
         self.port: int | None = None
 
     @staticmethod
-    def _job_store(config: GatewayConfig, state_dir: pathlib.Path) -> JobStore:
-        """PostgreSQL when several gateway replicas must serve the same batch jobs."""
+    def _redis_quota(config: GatewayConfig, clock: Clock) -> RedisQuotaStore | None:
+        """Redis when several gateway replicas must enforce one set of limits together.
+        Its client (like psycopg, below) is imported only where it is configured: the two
+        were a sixth of the imports of every gateway start."""
+        if config.quota_store.backend != "redis":
+            return None
+        from qosgate.quota.redis_store import RedisQuotaStore
+
+        return RedisQuotaStore.from_config(config.quota_store, clock=clock)
+
+    @staticmethod
+    def _job_stores(config: GatewayConfig, state_dir: pathlib.Path) -> tuple[JobStore, FileStore]:
+        """The batch jobs' store and, beside it, the OpenAI files': PostgreSQL when several
+        gateway replicas must serve the same batch jobs (a file uploaded through one
+        replica is then there for the others), else SQLite files."""
         settings = config.job_store
         if settings.backend == "postgres":
-            return PostgresJobStore(
+            from qosgate.jobs.postgres_store import PostgresJobStore
+
+            jobs = PostgresJobStore(
                 settings.postgres_url,
                 wall_time=time.time,
                 password=os.environ.get(settings.password_env) if settings.password_env else None,
@@ -234,8 +238,11 @@ class Gateway:
                 timeout_s=settings.timeout_s,
                 lease_s=settings.lease_s,
             )
-        path = config.batch.db or state_dir / "batch.sqlite3"
-        return SqliteJobStore(path, wall_time=time.time, lease_s=settings.lease_s)
+            return jobs, PostgresFileStore(jobs, wall_time=time.time)
+        return (
+            SqliteJobStore(config.batch.db or state_dir / "batch.sqlite3", wall_time=time.time, lease_s=settings.lease_s),
+            SqliteFileStore(config.openai.files_db or state_dir / "openai_files.sqlite3", wall_time=time.time),
+        )
 
     @property
     def metrics_port(self) -> int | None:

@@ -19,12 +19,14 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qosgate.database import SqliteDatabase
 from qosgate.errors import InvalidArgument, NotFound, Unavailable
-from qosgate.jobs.postgres_store import PostgresJobStore
 from qosgate.jobs.store import SqlSession, T
+
+if TYPE_CHECKING:
+    from qosgate.jobs.postgres_store import PostgresJobStore
 
 log = logging.getLogger(__name__)
 
