@@ -54,9 +54,9 @@ MEASURE_MIN_S, MEASURE_SERVICE = 15.0, 3000.0
 # one burst of what the engine made meanwhile, nearly all of it the long tenants', and
 # every client sends its next request at once. A whole second in which no stream
 # delivered anything marks such a stall; the measurement leaves it out with the SETTLE_S
-# after it, and sums the steady seconds between stalls: on CI's last failure, and on
-# five runs beside the hogs, that measured within 70-150 s where waiting for one steady
-# stretch long enough (with WARMUP_S after each stall) measured in two of them. A shorter
+# after it, and sums the steady seconds between stalls: replayed on CI's last failure and
+# five failing runs beside the hogs, that measured each within 62-120 s, where waiting
+# for one steady stretch measured none, and leaving WARMUP_S after each stall two. A shorter
 # stall's burst is bounded by MAX_SECOND_SHARE of the service measured. A stall of
 # STALL_DUMP_S or more prints every thread's stack, to tell where this process stood.
 # MEASURE_CAP_S bounds the whole load.
