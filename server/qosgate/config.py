@@ -402,6 +402,14 @@ class ModelPolicy(_Frozen):
     (Triton's dynamic batcher): lower-class work sent after such a request cannot join
     its batch, nor keep the model's instances busy while it waits. Not for LLMs, whose
     requests stay in flight for a whole generation."""
+    kserve_token_counts: bool = False
+    """ModelStreamInfer requests of the vLLM backend's contract: ask the engine for its token
+    counts (the `return_num_input_tokens`/`return_num_output_tokens` flags, added where the
+    caller did not set them, their outputs taken out of the responses again unless it asked
+    for them) and charge those. Off: the prompt's estimate and one token per streamed
+    response with outputs (a request not streamed: max_tokens), which undercounts a stream
+    whose engine merged deltas. Only for a model that declares those inputs (Triton rejects
+    a request with an input its model does not declare)."""
     adapter: Literal["vllm", "trtllm"] = "vllm"
     """Generation API only: the model's tensor contract, `vllm` (vLLM backend) or `trtllm`
     (TensorRT-LLM ensemble)."""

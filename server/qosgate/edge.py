@@ -127,6 +127,8 @@ class ModelFacts:
         "_default_session_header",
         "_routing",
         "_default_routing",
+        "_engine_counts",
+        "_default_engine_counts",
     )
 
     def __init__(self, config: GatewayConfig) -> None:
@@ -137,6 +139,8 @@ class ModelFacts:
         self._default_session_header = _header_name(default.routing.session_header)
         self._routing = {name: policy.routing for name, policy in models.items()}
         self._default_routing = default.routing
+        self._engine_counts = {name: policy.kserve_token_counts for name, policy in models.items()}
+        self._default_engine_counts = default.kserve_token_counts
 
     def cost_unit(self, model: str) -> CostUnit:
         """The unit `model`'s calls are charged in (ModelPolicy.cost_unit)."""
@@ -149,6 +153,11 @@ class ModelFacts:
     def routing(self, model: str) -> RoutingConfig:
         """`model`'s routing policy (ModelPolicy.routing)."""
         return self._routing.get(model, self._default_routing)
+
+    def engine_token_counts(self, model: str) -> bool:
+        """Whether `model`'s KServe generation requests are charged the engine's own token
+        counts (ModelPolicy.kserve_token_counts)."""
+        return self._engine_counts.get(model, self._default_engine_counts)
 
 
 def _header_name(name: str | None) -> bytes | None:

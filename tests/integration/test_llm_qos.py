@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import json
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -81,7 +82,7 @@ def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
     return GatewayThread(
         gateway_config(
             triton.ports.grpc_url,
-            models={"smollm2": {"dispatch_window": WINDOW, "default_temperature": 0.0}},
+            models={"smollm2": {"dispatch_window": WINDOW, "default_temperature": 0.0, "kserve_token_counts": True}},
             scheduler={"fair_share": fair_share, "window_reserve": 0},
             tenants=[
                 _tenant("long"),
@@ -90,6 +91,7 @@ def _config(triton: LocalTriton, fair_share: str) -> GatewayThread:
                 _tenant("kserve-short"),
                 _tenant("kv", max_inflight_tokens=100),
                 _tenant("metered", tokens_per_minute=100),
+                _tenant("exact"),
             ],
         )
     )
@@ -372,16 +374,21 @@ def test_max_inflight_tokens_queues_then_runs_and_refuses_what_never_fits(quota_
     assert snapshot.queued.get(("smollm2", "standard", "kv"), 0) == 0
 
 
-def _kserve_generation(request_id: str, max_tokens: int, count_tokens: bool = False) -> service_pb2.ModelInferRequest:
-    """The vLLM backend's streaming contract, as tritonclient sends it; `count_tokens`
-    asks for each response's num_output_tokens."""
+def _kserve_generation(
+    request_id: str, max_tokens: int, count_tokens: bool = False, *, stream: bool = True, stop: str = "",
+    count_prompt: bool = False,
+) -> service_pb2.ModelInferRequest:
+    """The vLLM backend's contract, as tritonclient sends it; `count_tokens` asks for each
+    response's num_output_tokens, `count_prompt` for num_input_tokens; `stop` ends the
+    generation where it writes that text."""
     request = service_pb2.ModelInferRequest(model_name="smollm2", id=request_id)
+    sampling = {"max_tokens": max_tokens, "temperature": 0, **({"stop": [stop]} if stop else {})}
     for name, datatype, raw in (
         ("text_input", "BYTES", len(COUNTING_PROMPT).to_bytes(4, "little") + COUNTING_PROMPT.encode()),
-        ("stream", "BOOL", b"\x01"),
-        ("sampling_parameters", "BYTES", (text := f'{{"max_tokens": {max_tokens}, "temperature": 0}}'.encode())
-         and len(text).to_bytes(4, "little") + text),
+        ("stream", "BOOL", b"\x01" if stream else b"\x00"),
+        ("sampling_parameters", "BYTES", (text := json.dumps(sampling).encode()) and len(text).to_bytes(4, "little") + text),
         *((("return_num_output_tokens", "BOOL", b"\x01"),) if count_tokens else ()),
+        *((("return_num_input_tokens", "BOOL", b"\x01"),) if count_prompt else ()),
     ):
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
@@ -406,3 +413,52 @@ def test_kserve_generations_are_charged_in_tokens_like_the_generation_apis(quota
     assert usage.today.requests == 1, usage
     assert usage.today.completion_tokens == QUOTA_TOKENS, usage  # greedy counting runs its whole length
     assert usage.today.prompt_tokens > 0, usage
+
+
+def _values(responses: list[service_pb2.ModelStreamInferResponse], name: str) -> list[bytes]:
+    """The raw values of output `name` over a request's responses."""
+    return [
+        raw
+        for response in responses
+        for output, raw in zip(response.infer_response.outputs, response.infer_response.raw_output_contents)
+        if output.name == name
+    ]
+
+
+def test_kserve_generations_are_charged_the_engine_s_own_counts(quota_gateway: GatewayThread) -> None:
+    """Under `kserve_token_counts`, a ModelStreamInfer generation is charged the tokens its
+    engine counted, not one per streamed response (which falls short where the engine
+    merges deltas) nor max_tokens for a request not streamed (too many where it stops
+    early); and its caller gets no output it did not ask for."""
+    metadata = tuple(bearer("exact-key").items())
+    with grpc.insecure_channel(quota_gateway.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
+
+        def usage() -> tuple[int, int]:
+            today = admin.GetUsage(admin_pb2.GetUsageRequest(), metadata=metadata, timeout=30).today
+            return today.prompt_tokens, today.completion_tokens
+
+        def served(request: service_pb2.ModelInferRequest) -> tuple[list[service_pb2.ModelStreamInferResponse], tuple[int, int]]:
+            """Its responses, and the usage it added."""
+            before = usage()
+            responses = list(stub.ModelStreamInfer(iter([request]), metadata=metadata, timeout=120))
+            assert responses and not any(r.error_message for r in responses), responses[:3]
+            after = usage()
+            return responses, (after[0] - before[0], after[1] - before[1])
+
+        for stream in (False, True):
+            # The same greedy generation twice: the caller asks for the counts the second time.
+            plain, charged = served(_kserve_generation("plain", 64, stream=stream, stop=" 9"))
+            counted, charged_counted = served(_kserve_generation("counted", 64, True, stream=stream, stop=" 9", count_prompt=True))
+            names = {o.name for r in plain for o in r.infer_response.outputs}
+            assert names == {"text_output"}, names
+            texts = [b"".join(v[4:] for v in _values(r, "text_output")) for r in (plain, counted)]
+            assert texts[0] and texts[0] == texts[1], texts
+            prompt, generated = (
+                [int.from_bytes(v, "little") for v in _values(counted, name)] for name in ("num_input_tokens", "num_output_tokens")
+            )
+            engine = (prompt[-1], sum(generated))
+            assert 0 < engine[1] < 64, engine  # the stop ended it early
+            assert charged == engine == charged_counted, (stream, charged, engine, charged_counted)
+

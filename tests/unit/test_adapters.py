@@ -330,4 +330,61 @@ def _text(value: str) -> tuple[str, bytes]:
     ],
 )
 def test_a_kserve_generation_request_tells_what_it_asks(raw: bytes, ask: GenerationAsk | None) -> None:
-    assert generation_ask(raw) == ask
+    found = generation_ask(raw)
+    assert (found if found is None else (found.prompt, found.max_tokens, found.streaming)) == (
+        ask if ask is None else (ask.prompt, ask.max_tokens, ask.streaming)
+    )
+
+
+_FLAGS = ("return_num_input_tokens", "return_num_output_tokens")
+_COUNTS = frozenset({b"num_input_tokens", b"num_output_tokens"})
+
+
+def _asked(request: service_pb2.ModelInferRequest) -> dict[str, bool | None]:
+    reader = TensorReader(request)
+    return {flag: None if (value := reader.first_int(flag)) is None else bool(value) for flag in _FLAGS}
+
+
+def test_a_vllm_request_gets_the_engine_s_counts_added_and_its_raw_values_stay_paired() -> None:
+    raw = _kserve_request(text_input=_text("hi"), stream=("BOOL", b"\x01"))
+    counts = generation_ask(raw).counts
+    assert counts is not None and counts.strip == _COUNTS
+    merged = service_pb2.ModelInferRequest.FromString(raw + counts.append)
+    assert _asked(merged) == dict.fromkeys(_FLAGS, True)
+    assert [t.name for t in merged.inputs] == ["text_input", "stream", *_FLAGS]
+    assert len(merged.raw_input_contents) == len(merged.inputs)  # as Triton requires
+    assert TensorReader(merged).first_string("text_input") == "hi" and not merged.outputs
+
+
+def test_a_vllm_request_with_values_in_contents_gets_the_flags_in_contents() -> None:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"hi")
+    counts = generation_ask(request.SerializeToString()).counts
+    assert counts is not None
+    merged = service_pb2.ModelInferRequest.FromString(request.SerializeToString() + counts.append)
+    assert _asked(merged) == dict.fromkeys(_FLAGS, True) and not merged.raw_input_contents
+
+
+def test_what_the_caller_asks_itself_stays_its_own() -> None:
+    # It sets one flag: only the other is added, and only its output taken out.
+    raw = _kserve_request(text_input=_text("hi"), return_num_output_tokens=("BOOL", b"\x01"))
+    counts = generation_ask(raw).counts
+    assert counts is not None and counts.strip == {b"num_input_tokens"}
+    merged = service_pb2.ModelInferRequest.FromString(raw + counts.append)
+    assert _asked(merged) == dict.fromkeys(_FLAGS, True)
+    # It names the outputs it wants: the count outputs are named too (Triton returns only
+    # those named), and taken out unless it named them.
+    request = service_pb2.ModelInferRequest.FromString(raw)
+    request.outputs.add(name="text_output")
+    counts = generation_ask(request.SerializeToString()).counts
+    assert counts is not None and counts.strip == _COUNTS
+    merged = service_pb2.ModelInferRequest.FromString(request.SerializeToString() + counts.append)
+    assert [o.name for o in merged.outputs] == ["text_output", "num_input_tokens", "num_output_tokens"]
+    request.outputs.add(name="num_output_tokens")
+    assert generation_ask(request.SerializeToString()).counts.strip == {b"num_input_tokens"}
+    # It turns a flag off: no counts (a second flag would be a duplicate input).
+    off = _kserve_request(text_input=_text("hi"), return_num_input_tokens=("BOOL", b"\x00"))
+    assert generation_ask(off).counts is None
+    # The TensorRT-LLM contract has no such flags.
+    trtllm = _kserve_request(text_input=_text("yo"), max_tokens=("INT32", (40).to_bytes(4, "little")))
+    assert generation_ask(trtllm).counts is None

@@ -137,6 +137,47 @@ def test_triton_s_empty_final_response_is_told_from_one_with_outputs(pad: int) -
     assert not wire.stream_response_has_outputs(b"\xff\xff")
 
 
+def _counted_response(*counts: tuple[str, int], pad: int = 0) -> service_pb2.ModelStreamInferResponse:
+    """A vLLM backend's streamed response: text_output, then the count outputs asked for."""
+    response = service_pb2.ModelStreamInferResponse.FromString(_stream_response(pad=pad))
+    for name, value in counts:
+        response.infer_response.outputs.add(name=name, datatype="UINT32", shape=[1])
+        response.infer_response.raw_output_contents.append(value.to_bytes(4, "little"))
+    return response
+
+
+@pytest.mark.parametrize("pad", [0, 8192], ids=["small", "large"])
+def test_the_engine_s_token_counts_are_read_and_the_unasked_ones_taken_out(pad: int) -> None:
+    response = _counted_response(("num_input_tokens", 17), ("num_output_tokens", 3), pad=pad)
+    raw = response.SerializeToString()
+    prompt, generated, kept = wire.response_counts(raw, frozenset({b"num_input_tokens", b"num_output_tokens"}))
+    assert (prompt, generated) == (17, 3)
+    # What is left is the response the caller would have had without the flags.
+    assert service_pb2.ModelStreamInferResponse.FromString(kept) == service_pb2.ModelStreamInferResponse.FromString(
+        _stream_response(pad=pad)
+    )
+    # One taken out, the other kept with its value: outputs and values stay paired.
+    prompt, generated, kept = wire.response_counts(raw, frozenset({b"num_input_tokens"}))
+    assert (prompt, generated) == (17, 3)
+    left = service_pb2.ModelStreamInferResponse.FromString(kept).infer_response
+    assert [o.name for o in left.outputs] == ["text_output", "num_output_tokens"]
+    assert list(left.raw_output_contents) == [b"\x02\x00\x00\x00hi", (3).to_bytes(4, "little")]
+    assert left.parameters["padding"].string_param == "x" * pad
+    # Nothing to take out: the very bytes.
+    assert wire.response_counts(raw, frozenset())[2] is raw
+
+
+def test_a_response_without_counts_or_not_protobuf_passes_as_it_came() -> None:
+    counts = frozenset({b"num_input_tokens", b"num_output_tokens"})
+    for raw in (_stream_response(), b"\xff\xff"):
+        assert wire.response_counts(raw, counts) == (-1, -1, raw)
+    # Values not sent raw (a reader could not pair them): read as absent, nothing taken out.
+    response = _counted_response(("num_output_tokens", 3))
+    del response.infer_response.raw_output_contents[:]
+    raw = response.SerializeToString()
+    assert wire.response_counts(raw, counts) == (-1, -1, raw)
+
+
 def test_truncated_bytes_are_rejected(peek) -> None:
     raw = _request().SerializeToString()
     with pytest.raises(wire.WireError):

@@ -36,7 +36,9 @@ _ID = 3
 _PARAMETERS = 4
 _REQUEST_INPUTS = 5
 _RESPONSE_OUTPUTS = 5
-# InferInputTensor
+_RESPONSE_RAW_OUTPUTS = 6
+# InferInputTensor / InferOutputTensor
+_TENSOR_NAME = 1
 _INPUT_SHAPE = 3
 # ModelStreamInferResponse
 _STREAM_ERROR = 1
@@ -417,6 +419,77 @@ def stream_response_has_outputs(buf: bytes) -> bool:
     except WireError:
         pass  # not ours to judge
     return False
+
+
+_NUM_INPUT_TOKENS = b"num_input_tokens"
+_NUM_OUTPUT_TOKENS = b"num_output_tokens"
+
+
+def response_counts(buf: bytes, strip: frozenset[bytes]) -> tuple[int, int, bytes]:
+    """The engine's token counts in a ModelStreamInferResponse of the vLLM contract: its
+    `num_input_tokens` and `num_output_tokens` outputs (UINT32 [1], in raw_output_contents,
+    as Triton sends every output), -1 where absent; and the message with the outputs named
+    in `strip` and their values taken out (the very bytes when there are none)."""
+    try:
+        before = 0
+        for number, wire_type, start, end in _fields(buf):
+            if number == _STREAM_RESPONSE and wire_type == _LEN:
+                prompt, generated, kept = _counts(memoryview(buf)[start:end], strip)
+                if kept is None:
+                    return prompt, generated, buf
+                return prompt, generated, buf[:before] + len_field(_STREAM_RESPONSE, kept) + buf[end:]
+            before = end
+    except WireError:
+        pass  # not ours to judge: it goes to the caller as Triton wrote it
+    return -1, -1, buf
+
+
+def _counts(response: memoryview, strip: frozenset[bytes]) -> tuple[int, int, bytes | None]:
+    # Outputs and their raw values pair up by order, each kind counted on its own.
+    outputs: list[tuple[int, int, bytes]] = []  # (field start, end, name)
+    values: list[tuple[int, int, int]] = []  # (field start, value start, end)
+    before = 0
+    for number, wire_type, start, end in _fields(response):
+        if wire_type == _LEN:
+            if number == _RESPONSE_OUTPUTS:
+                outputs.append((before, end, _tensor_name(response[start:end])))
+            elif number == _RESPONSE_RAW_OUTPUTS:
+                values.append((before, start, end))
+        before = end
+    prompt = generated = -1
+    if len(values) != len(outputs):
+        return prompt, generated, None  # values not sent raw: nothing here reads them
+    dropped: list[tuple[int, int]] = []
+    for (output_start, output_end, name), (value_start, start, end) in zip(outputs, values):
+        if name != _NUM_INPUT_TOKENS and name != _NUM_OUTPUT_TOKENS:
+            continue
+        if end - start == 4:
+            count = int.from_bytes(response[start:end], "little")
+            if name == _NUM_INPUT_TOKENS:
+                prompt = count
+            else:
+                generated = count
+        if name in strip:
+            dropped.append((output_start, output_end))
+            dropped.append((value_start, end))
+    if not dropped:
+        return prompt, generated, None
+    dropped.sort()
+    kept = bytearray()
+    at = 0
+    for start, end in dropped:
+        kept += response[at:start]
+        at = end
+    kept += response[at:]
+    return prompt, generated, bytes(kept)
+
+
+def _tensor_name(tensor: memoryview) -> bytes:
+    name = b""
+    for number, wire_type, start, end in _fields(tensor):
+        if number == _TENSOR_NAME and wire_type == _LEN:
+            name = bytes(tensor[start:end])
+    return name
 
 
 def check_text(raw: bytes, descriptor: Descriptor, max_fields: int) -> None:

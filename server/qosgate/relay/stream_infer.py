@@ -4,11 +4,12 @@ of a caller's stream is a call of its own through the edge.
 A stream is served message by message (messages.ServerStream); its caller is identified
 once, and its tenant's open streams are bounded. Each request in it is decoded (its model
 and id read from its bytes; for an LLM's request, its prompt and max_tokens, so that it is
-charged in tokens: `adapters.asks`), admitted by the edge (`qosgate.edge`), routed
-by its own model's routing policy (prefix affinity on the model's session header
-included) and sent to Triton as a ModelStreamInfer of its own, half-closed, on the
-upstream's persistent connections (connections.ClientStream), with Triton's priority and
-timeout appended. Triton's responses, which carry the request's own id, go back onto the
+charged in tokens: `adapters.asks`; under the model's `kserve_token_counts`, the engine's
+own counts are asked for and read from its responses), admitted by the edge
+(`qosgate.edge`), routed by its own model's routing policy (prefix affinity on the model's
+session header included) and sent to Triton as a ModelStreamInfer of its own,
+half-closed, on the upstream's persistent connections (connections.ClientStream), with
+Triton's priority and timeout appended. Triton's responses, which carry the request's own id, go back onto the
 caller's stream as they come, and that upstream stream's end is the request's end. So the
 requests of one stream for different models go where each model's policy says, and a
 request whose Triton fails before its first response fails over like any call
@@ -36,7 +37,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2
 
 from qosgate import errors
-from qosgate.adapters.asks import GenerationAsk, generation_ask
+from qosgate.adapters.asks import EngineCounts, GenerationAsk, generation_ask
 from qosgate.config import ResourceLimits
 from qosgate.dataplane.call import Admitted, Call
 from qosgate.dataplane.plane import CallCost, CallScope
@@ -210,7 +211,8 @@ class _Session:
         models = handler.edge.models
         # An LLM's request is charged in tokens, as the generation API charges its own.
         ask = generation_ask(raw)
-        request = _Request(self, handler.edge.open(request_call), head.id, raw, ask)
+        counts = ask.counts if ask is not None and models.engine_token_counts(head.model_name) else None
+        request = _Request(self, handler.edge.open(request_call), head.id, raw, ask, counts)
         self.in_flight.add(request)
         self.idle.clear()
         if len(self.in_flight) >= self.limits.stream_max_pending:
@@ -298,8 +300,11 @@ class _Request:
         "id",
         "raw",
         "ask",
+        "counts",
         "prompt_tokens",
         "outputs",
+        "engine_prompt",
+        "engine_generated",
         "last",
         "route",
         "upstream",
@@ -309,15 +314,25 @@ class _Request:
     )
 
     def __init__(
-        self, session: _Session, scope: CallScope, request_id: str, raw: bytes, ask: GenerationAsk | None
+        self,
+        session: _Session,
+        scope: CallScope,
+        request_id: str,
+        raw: bytes,
+        ask: GenerationAsk | None,
+        counts: EngineCounts | None,
     ) -> None:
         self.session = session
         self.scope = scope
         self.id = request_id
         self.raw = raw  # until it is sent upstream
         self.ask = ask  # what an LLM request asks of its engine (None: not an LLM's)
+        self.counts = counts  # how its engine is asked for its token counts (None: not asked)
         self.prompt_tokens = 0 if ask is None else estimate_prompt_tokens(ask.prompt)
         self.outputs = 0  # an LLM request's responses that did not fail, so far
+        # The engine's counts from its responses so far: its prompt, the tokens generated (-1: none read).
+        self.engine_prompt = -1
+        self.engine_generated = -1
         self.last: bytes | None = None  # the last of them
         self.route: Route | None = None
         self.upstream: ClientStream | None = None
@@ -361,10 +376,11 @@ class _Request:
             return
         route = self.route = outcome.route
         fragment = wire.dispatch_fragment(outcome.priority_level, outcome.timeout_us)
+        counts = self.counts
         self.upstream = ClientStream(
             route.connections,
             PATH,
-            (raw, fragment),
+            (raw, fragment) if counts is None else (raw, counts.append, fragment),
             self,
             limit=session.limits.max_response_bytes,
             extra=(*session.extra, *outcome.trace),
@@ -395,14 +411,22 @@ class _Request:
                 self.scope.responded()  # an error names no model that exists
             if self.ask is not None:
                 self.outputs += 1
+                counts = self.counts
+                if counts is not None:
+                    prompt, generated, message = wire.response_counts(message, counts.strip)
+                    if prompt >= 0:
+                        self.engine_prompt = prompt
+                    if generated >= 0:
+                        self.engine_generated = max(self.engine_generated, 0) + generated
                 self.last = message
         self.session.deliver(message)
 
     def charge(self, finished: bool) -> None:
         """An LLM request's real cost, settled in fair share, tokens per minute and the
-        daily budget, as the generation API settles its calls: the prompt's estimate plus
-        one generated token per streamed response with outputs (the engines stream one
-        delta a step); a request not streamed, max_tokens once it answered."""
+        daily budget, as the generation API settles its calls: the engine's counts where
+        they were asked for and came; else the prompt's estimate plus one generated token
+        per streamed response with outputs (the engines stream one delta a step, unless
+        they merge several), and for a request not streamed, max_tokens once it answered."""
         ask = self.ask
         if ask is None or self.route is None:  # not an LLM's, or it never reached one
             return
@@ -411,9 +435,13 @@ class _Request:
         outputs = self.outputs
         if self.last is not None and not wire.stream_response_has_outputs(self.last):
             outputs -= 1
-        completion = outputs if ask.streaming else (ask.max_tokens if outputs else 0)
+        if self.engine_generated >= 0:
+            completion = self.engine_generated
+        else:
+            completion = outputs if ask.streaming else (ask.max_tokens if outputs else 0)
+        prompt = self.engine_prompt if self.engine_prompt >= 0 else self.prompt_tokens
         reason = ("length" if completion >= ask.max_tokens else "stop") if finished else "cancelled"
-        self.scope.settle_tokens(self.id, self.prompt_tokens, completion, reason if outputs else None)
+        self.scope.settle_tokens(self.id, prompt, completion, reason if outputs else None)
 
     def ended(self, status: int, trailers: Sequence[http2.Header]) -> None:
         session = self.session
