@@ -361,9 +361,13 @@ class RoutingConfig(_Frozen):
     default, 2, lets the replica owning a larger share of the keys keep them (on two
     replicas it never spills); a tighter bound spills calls to replicas whose caches
     lack their prefix (docs/scale-out.md, "Routing across replicas")."""
-    max_engine_waiting: int | None = Field(default=None, ge=0)
+    max_engine_waiting: int | None = Field(default=4, ge=0)
     """An upstream whose engine has more requests waiting than this for the model (read
-    from its `metrics_url`) is saturated and passed over; unset: engine queues ignored."""
+    from its `metrics_url`) is saturated and passed over; null: engine queues ignored.
+    This is what keeps a hot prefix from piling onto one of two replicas (where the
+    default load bound never binds) while the other's engine has free seats. An engine
+    that is not saturated holds a request or two between its steps, so the default
+    leaves it a few."""
     session_header: str | None = Field(default=None, min_length=1)
     """Request header whose value, when present, is the affinity key instead of the
     prompt (e.g. `x-session-id`): all calls of one session go to one upstream."""

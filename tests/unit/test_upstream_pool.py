@@ -362,6 +362,25 @@ def test_a_saturated_engine_is_passed_over() -> None:
     assert pool.pick("llm", key=key) is not first
 
 
+def test_by_default_a_hot_prefix_leaves_a_replica_whose_engine_queues() -> None:
+    """On two replicas the default load bound never binds: the engine's queue does."""
+    pool = affinity_pool("a", "b")
+    key = pool.key("llm", prompt="one system prompt for every call")
+    first = pool.pick("llm", key=key)
+    for _ in range(20):  # all of them in flight on its replica: the load bound lets them
+        assert pool.pick("llm", key=key) is first
+        first.in_flight += 1
+    pool.engine_load(first.name, "llm", EngineLoad(waiting=4, kv_cache_usage=None))
+    assert pool.pick("llm", key=key) is first  # a few waiting between steps: not saturated
+    pool.engine_load(first.name, "llm", EngineLoad(waiting=5, kv_cache_usage=None))
+    assert pool.pick("llm", key=key) is not first
+    # Turned off, engine queues are ignored.
+    off = affinity_pool("a", "b", max_engine_waiting=None)
+    chosen = off.pick("llm", key=key)
+    off.engine_load(chosen.name, "llm", EngineLoad(waiting=50, kv_cache_usage=None))
+    assert off.pick("llm", key=key) is chosen
+
+
 async def test_a_route_fails_over_to_another_upstream_once() -> None:
     metrics = GatewayMetrics(known_models=["llm"])
     pool = affinity_pool("a", "b", metrics=metrics)
