@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from qosgate.config import GatewayConfig, LimitsConfig, TenantConfig
 from qosgate.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
+# C0 controls and DEL: no model name holds one.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 _BEARER = "bearer"
 # The headers a call may present its API key in.
 AUTHORIZATION, API_KEY = "authorization", "x-api-key"
@@ -208,6 +211,10 @@ class TenantDirectory:
             raise PermissionDenied(f"{what} requires an admin tenant")
 
     def require_model(self, tenant: Tenant, model: str) -> None:
+        if _CONTROL.search(model):
+            # Triton ends a name at its first NUL: `minilm\0-public` would pass the pattern
+            # `*-public` and run minilm, under a model of its own in metrics and queues.
+            raise InvalidArgument(f"model name {model!r} holds a control character")
         if not tenant.allows_model(model):
             raise PermissionDenied(f"tenant {tenant.name!r} may not use model {model!r}")
 

@@ -351,6 +351,15 @@ def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread
         )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 400 ") and b"larger than" in head, head[:300]
+    # An upload too: its reader would wait for all the bytes declared.
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(
+            f"POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: {AUTH['authorization']}\r\n"
+            f"content-type: multipart/form-data; boundary=bb\r\ncontent-length: {10**10}\r\n\r\n"
+            '--bb\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'.encode()
+        )
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"larger than" in head, head[:300]
     _still_serving(http)
 
 

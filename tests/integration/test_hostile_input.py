@@ -371,3 +371,26 @@ def test_a_refused_caller_is_counted_the_same_way_from_every_front_end(
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = _count(gateway, "qosgate_rejections_total", **rejected), _count(gateway, "qosgate_requests_total", **done)
     assert after == (before[0] + 1, before[1] + 1)
+
+
+def test_a_model_name_with_a_control_character_reaches_no_model(channel: grpc.Channel, tracebacks: list[logging.LogRecord]) -> None:
+    """Triton ends a model name at its first NUL: `identity\\0-public` would run identity under
+    a name that a tenant's pattern `*-public` allows, and count as a model of its own."""
+    require_model("identity")
+    metadata = [("authorization", f"Bearer {ACME_KEY}")]
+    infer = channel.unary_unary(KSERVE + "ModelInfer", request_serializer=service_pb2.ModelInferRequest.SerializeToString)
+    config = channel.unary_unary(KSERVE + "ModelConfig", request_serializer=service_pb2.ModelConfigRequest.SerializeToString)
+    stream = channel.stream_stream(
+        KSERVE + "ModelStreamInfer",
+        request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+    )
+    for name in ("identity\x00-public", "identity\x01", "identity\x7f"):
+        request = identity_request("named")
+        request.model_name = name
+        assert code_of(infer, request, metadata=metadata) == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert code_of(config, service_pb2.ModelConfigRequest(name=name), metadata=metadata) == grpc.StatusCode.INVALID_ARGUMENT
+        answers = list(stream(iter([request]), metadata=metadata, timeout=30))
+        assert [a.error_message.split(":")[0] for a in answers] == ["INVALID_ARGUMENT"], answers
+    request = identity_request()
+    assert code_of(infer, request, metadata=metadata) == grpc.StatusCode.OK  # the name without it is served

@@ -179,6 +179,22 @@ def test_errors_map_to_openai_statuses(gateway: GatewayThread) -> None:
     raw = httpx.post(f"{gateway.openai_url}/chat/completions", content=b"{not json", headers={"authorization": "Bearer nope"})
     assert raw.status_code == 401 and raw.json()["error"]["code"] == "unauthenticated"
     assert httpx.get(f"{gateway.openai_url}/nothing-here").status_code == 401
+    # A model Triton does not have is 404 from every route.
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client(gateway).chat.completions.create(**{**chat, "model": "nope"})  # type: ignore[call-overload]
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client(gateway).completions.create(model="nope", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client(gateway).embeddings.create(model="nope", input="x")
+    # Triton ends a model name at a NUL: no such name reaches it.
+    with pytest.raises(openai.BadRequestError, match="control character"):
+        client(gateway).embeddings.create(model="minilm\u0000-public", input="x")
+    # Header bytes of any kind (UTF-8 past Latin-1, bytes that are no UTF-8) are read as sent.
+    models = f"{gateway.openai_url}/models"
+    assert httpx.get(models, headers={"authorization": f"Bearer {USER_KEY}", "x-user": "日本".encode()}).status_code == 200
+    assert httpx.get(models, headers={"authorization": f"Bearer {USER_KEY}", "x-user": b"caf\xe9"}).status_code == 200
+    assert httpx.get(models, headers={"x-api-key": "ключ".encode()}).status_code == 401
+    assert httpx.get(models, headers={"authorization": b"Bearer \xa0"}).status_code == 401
     assert httpx.get(f"{gateway.openai_url}/nothing-here", headers={"authorization": f"Bearer {USER_KEY}"}).status_code == 404
 
 
@@ -191,6 +207,16 @@ def test_a_request_has_the_time_its_timeout_header_gives_it(gateway: GatewayThre
         client(gateway, max_retries=0).chat.completions.create(**chat, extra_headers={"timeout": "0.000001"})  # type: ignore[call-overload]
     assert passed.value.status_code == 504
     assert client(gateway).chat.completions.create(**chat, extra_headers={"x-stainless-timeout": "60"}).choices  # type: ignore[call-overload]
+    # Longer than Triton's timeout parameter holds: taken as gRPC's longest. (Sent without
+    # the SDK, which adds its own x-stainless-timeout.)
+    auth = {"authorization": f"Bearer {USER_KEY}"}
+    for longest in ("1e13", "1e300"):
+        for name in ("timeout", "x-stainless-timeout"):
+            served = httpx.post(f"{gateway.openai_url}/chat/completions", json=chat, headers={**auth, name: longest}, timeout=60)
+            assert served.status_code == 200, served.text
+            embedded = httpx.post(f"{gateway.openai_url}/embeddings", json={"model": "minilm", "input": "x"},
+                                  headers={**auth, name: longest}, timeout=60)
+            assert embedded.status_code == 200, embedded.text
 
 
 def test_over_tokens_per_minute_is_429_with_retry_after_and_the_sdk_waits_it_out(

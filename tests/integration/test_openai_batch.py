@@ -131,6 +131,19 @@ def test_embedding_batch_cancel_and_tenant_isolation(gateway: tuple[GatewayProce
         other.batches.create(input_file_id=chat.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="differs from the batch endpoint"):
         other.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    # Lines that are no JSON a request can carry: refused as a request body would be.
+    good = json.dumps(lines[0]).encode()
+    for bad, why in (
+        (b"\xff\xfe\x00", "not JSON"),
+        (good.replace(b"text 0", b"caf\xe9"), "not JSON"),
+        (b"[" * 5000 + b"]" * 5000, "not JSON: nested too deeply"),
+        (good.replace(b'"e-0"', b'"e-0", "n": ' + b"1" * 5000), "not JSON"),
+        (good.replace(b"text 0", b"\\udc00"), "not JSON text: a string holds an unpaired surrogate"),
+    ):
+        refused = other.files.create(file=("bad.jsonl", good + b"\n" + bad + b"\n"), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match=f"input file line 2: the line is {why}"):
+            other.batches.create(input_file_id=refused.id, endpoint="/v1/embeddings", completion_window="24h")
+        other.files.delete(refused.id)
     assert [b.id for b in other.batches.list()] == [batch.id]
 
     # Cancel: nothing more is dispatched; the batch ends cancelled.

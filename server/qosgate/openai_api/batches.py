@@ -188,15 +188,13 @@ class OpenAIBatches:
             if not raw.strip():
                 continue
             try:
-                line = wire.parse(_Line, json.loads(raw))
+                line = wire.parse(_Line, wire.loads(raw, "the line"))
                 if line.url != request.endpoint:
                     raise errors.InvalidArgument(f"url {line.url!r} differs from the batch endpoint {request.endpoint!r}")
                 item = _batch_item(line)
                 items.append(
                     new_item(len(items), item, batch_pb2.BatchHeader(), tenant, self._directory.require_model)
                 )
-            except json.JSONDecodeError as e:
-                raise errors.InvalidArgument(f"input file line {number}: not JSON: {e.msg}") from None
             except (errors.InvalidArgument, errors.PermissionDenied) as e:
                 raise type(e)(f"input file line {number}: {e.message}") from None
             models.add(item.embed.model if item.HasField("embed") else item.generate.model)

@@ -69,6 +69,11 @@ _RPCS = {
 # Headers a caller gives its request's time in, seconds: `timeout`, and what the official
 # SDKs send (the Node one: its client's timeout).
 _TIMEOUT_HEADERS = ("timeout", "x-stainless-timeout")
+# An upload's body beyond its file: the boundaries, part headers and the purpose field.
+_MULTIPART_OVERHEAD = 64 * 1024
+# A longer timeout is taken as this one: gRPC's longest (`grpc-timeout` 99999999H), which
+# Triton's microsecond timeout parameter still holds.
+_LONGEST_TIMEOUT_S = 99_999_999 * 3600.0
 
 
 class OpenAIServer:
@@ -99,7 +104,7 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(
             middlewares=[self._errors],
-            client_max_size=max(self._config.max_body_bytes, self._config.max_file_bytes) + 64 * 1024,
+            client_max_size=max(self._config.max_body_bytes, self._config.max_file_bytes) + _MULTIPART_OVERHEAD,
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -186,7 +191,12 @@ class OpenAIServer:
         a traceparent), and its verified client certificate (mutual TLS)."""
         transport = request.transport
         certificate = peer_certificate(transport.get_extra_info("ssl_object") if transport else None)
-        headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in request.headers.items()]
+        # aiohttp decodes header bytes as UTF-8, those that are none as surrogate escapes:
+        # encoded back the same way, they are the bytes the caller sent, whatever they are.
+        headers = [
+            (name.lower().encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape"))
+            for name, value in request.headers.items()
+        ]
         rpc = _RPCS.get(request.match_info.route.resource.canonical if request.match_info.route.resource else "", "openai")
         return Call(rpc, headers, ConnectionCredentials(certificate))
 
@@ -204,7 +214,7 @@ class OpenAIServer:
                 seconds = math.nan
             if not 0 < seconds < math.inf:
                 raise errors.InvalidArgument(f"header {name!r}: a timeout is a positive number of seconds")
-            given.append(seconds)
+            given.append(min(seconds, _LONGEST_TIMEOUT_S))
         return min(given) if given else self._config.request_timeout_s
 
     def _tenant(self, request: web.Request) -> Tenant:
@@ -343,6 +353,9 @@ class OpenAIServer:
             raise errors.InvalidArgument("upload the file as multipart/form-data (fields 'file' and 'purpose')")
         if _content_encoding(request) is not None:
             raise web.HTTPUnsupportedMediaType(reason="send the upload without a Content-Encoding")
+        if (request.content_length or 0) > self._config.max_file_bytes + _MULTIPART_OVERHEAD:
+            # Refused before the body is read: the reader would wait for all of it.
+            raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
         purpose: str | None = None
         filename = ""
         content: bytes | None = None

@@ -199,18 +199,19 @@ class EmbeddingRequest(_Body):
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def loads(raw: bytes) -> Any:
-    """A request body's JSON; InvalidArgument for bytes that are not JSON a request can
-    carry: not UTF-8, nested past the parser's depth, an integer of thousands of digits,
-    or a string holding an unpaired surrogate (which no text encoding can write)."""
+def loads(raw: bytes, what: str = "request body") -> Any:
+    """A request body's JSON (`what`: else, as messages name it); InvalidArgument
+    for bytes that are not JSON a request can carry: not UTF-8, nested past the parser's
+    depth, an integer of thousands of digits, or a string holding an unpaired surrogate
+    (which no text encoding can write)."""
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise errors.InvalidArgument("request body is not JSON: nested too deeply") from None
+        raise errors.InvalidArgument(f"{what} is not JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError among them
-        raise errors.InvalidArgument(f"request body is not JSON: {e}") from None
+        raise errors.InvalidArgument(f"{what} is not JSON: {e}") from None
     if _SURROGATE_ESCAPE.search(raw) is not None and _has_lone_surrogate(body):
-        raise errors.InvalidArgument("request body is not JSON text: a string holds an unpaired surrogate")
+        raise errors.InvalidArgument(f"{what} is not JSON text: a string holds an unpaired surrogate")
     return body
 
 

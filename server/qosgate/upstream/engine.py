@@ -32,6 +32,8 @@ from qosgate.upstream.connections import ClientReader, ClientStream
 from qosgate.upstream.pool import Route, UpstreamPool
 
 _INFER_PATH = path(INFER)
+# How Triton words a request for a model it does not have (NOT_FOUND in a unary call's status).
+_UNKNOWN_MODEL = "Request for unknown model"
 _STREAM_INFER_PATH = path(STREAM_INFER)
 # Triton's codes that are the caller's to fix or retry; anything else is INTERNAL.
 _UPSTREAM_CODES: dict[int, type[errors.GatewayError]] = {
@@ -97,6 +99,8 @@ class Engine:
                     # code: the model refused this request (bad sampling, prompt too long).
                     # (Its response names no model when Triton refused it before running it.)
                     model = message.infer_response.model_name or route.model
+                    if _UNKNOWN_MODEL in message.error_message:  # as Triton's status for a unary call says
+                        raise errors.NotFound(f"model {model!r}: {message.error_message}")
                     raise errors.InvalidArgument(f"model {model!r}: {message.error_message}")
                 route.responded()
                 yield message.infer_response
