@@ -90,6 +90,10 @@ def test_chat_streams_paris_with_usage_and_agrees_with_unary(gateway: GatewayThr
     registry = gateway.gateway.metrics.registry
     labels = {"rpc": "openai.ChatCompletions", "model": "smollm2", "tenant": "user", "class": "standard", "code": "OK"}
     assert registry.get_sample_value("qosgate_requests_total", labels) == 2
+    # The answer goes back as the next turn's history as the SDK hands it, every field of it.
+    history = [*messages, unary.choices[0].message.model_dump(), {"role": "user", "content": "And of Italy?"}]
+    follow = sdk.chat.completions.create(model="smollm2", messages=history, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert follow.choices[0].message.content
 
 
 def test_completions_unary_and_stream_with_stop(gateway: GatewayThread) -> None:

@@ -50,7 +50,10 @@ _FINISH_OF_PROTO = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict, as OpenAI's API is: a string where a number goes (`"max_tokens": "2"`), a
+    # number where a flag goes (`"stream": 1`) or a fraction where an integer goes is a 400,
+    # not read as what it might mean. (A whole number where a fraction goes is one.)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 _BodyT = TypeVar("_BodyT", bound=BaseModel)
@@ -67,14 +70,20 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """A chat message; tool-call fields are refused by `role` (tool) and not read."""
-
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
+    """A chat message. A field it does not have is refused like a body's (a misspelt
+    `content` would otherwise be an empty message); tools' roles are refused by `role`."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # The rest of what the SDK hands back as a response's message, sent again as history:
+    # taken as long as it holds no tool call, audio or function call, and not read.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[Any] | None = Field(default=None, max_length=0)
 
     def text(self) -> str:
         if self.content is None:

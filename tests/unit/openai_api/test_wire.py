@@ -49,11 +49,35 @@ def test_chat_becomes_a_generate_request_with_sampling() -> None:
         ({"logprobs": True}, "logprobs: only false is supported"),
         ({"temperature": 3}, "temperature: Input should be less than or equal to 2"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        # A misspelt field of a message is no empty message.
+        ({"messages": [{"role": "user", "contnet": "x"}]}, "Unrecognized request argument supplied: messages.0.contnet"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "messages.0.tool_calls"),
+        # Values of another JSON type than the field's are not read as what they might mean.
+        ({"max_tokens": "2"}, "max_tokens: Input should be a valid integer"),
+        ({"max_tokens": True}, "max_tokens: Input should be a valid integer"),
+        ({"max_tokens": 2.0}, "max_tokens: Input should be a valid integer"),
+        ({"stream": "true"}, "stream: Input should be a valid boolean"),
+        ({"stream": 1}, "stream: Input should be a valid boolean"),
+        ({"temperature": "0.5"}, "temperature: Input should be a valid number"),
     ],
 )
 def test_refused_fields_name_themselves(extra: dict[str, object], message: str) -> None:
     with pytest.raises(errors.InvalidArgument, match=message):
         wire.parse(wire.ChatCompletionRequest, {**CHAT, **extra})
+
+
+def test_a_response_message_sent_back_as_history_is_taken() -> None:
+    """What the SDK hands back as a response's message (its fields unset or empty), as a
+    conversation's next request sends it; and whole numbers where fractions go."""
+    answered = {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None}
+    body = wire.parse(wire.ChatCompletionRequest, {
+        **CHAT, "messages": [*CHAT["messages"], answered, {"role": "user", "content": "and Rome?"}],  # type: ignore[list-item]
+        "temperature": 1, "top_p": 1, "presence_penalty": 0.0,
+    })
+    request = body.generate_request()
+    assert [m.content for m in request.chat.messages] == ["hi", "Paris.", "and Rome?"]
+    assert request.sampling.temperature == 1.0
 
 
 @pytest.mark.parametrize(
