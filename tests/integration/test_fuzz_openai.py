@@ -326,18 +326,21 @@ def test_oversized_headers_are_openai_errors(http: httpx.Client, size: int) -> N
 
 
 def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread, http: httpx.Client) -> None:
-    """A gzip or deflate body that decodes is read as the plain one; one that does not, or
-    that inflates past the limit, or a declared length over it (answered before any of the
-    body is sent) is a 400 OpenAI error; another encoding, or any on an upload, a 415."""
+    """A gzip or deflate body that decodes is read as the plain one; one that does not (or
+    holds more than its stream), or that inflates past the limit, or a declared length over
+    it (answered before any of the body is sent) is a 400 OpenAI error; another encoding,
+    or any on an upload, a 415."""
     FAILURES.clear()
     json_type = {**AUTH, "content-type": "application/json"}
     body = json.dumps(SEEDS["/embeddings"]).encode()
     plain = _send(http, "POST", "/embeddings", body, json_type)
-    for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+    # (A gzip body of two members, RFC 1952, is one body.)
+    halves = gzip.compress(body[:10]) + gzip.compress(body[10:])
+    for encoding, packed in (("gzip", gzip.compress(body)), ("gzip", halves), ("deflate", zlib.compress(body))):
         answer = _send(http, "POST", "/embeddings", packed, {**json_type, "content-encoding": encoding})
         assert (answer.status_code, answer.json()) == (plain.status_code, plain.json()), encoding
     bomb = gzip.compress(b" " * (1 << 20))  # 1 MiB of spaces: past the 256 KiB limit, in 1 kB
-    for case, expect in (("not gzip", 400), (bomb, 400), (gzip.compress(body)[:-9], 400)):
+    for case, expect in (("not gzip", 400), (bomb, 400), (gzip.compress(body)[:-9], 400), (gzip.compress(body) + b"junk", 400)):
         raw = case.encode() if isinstance(case, str) else case
         _check("/embeddings", _send(http, "POST", "/embeddings", raw, {**json_type, "content-encoding": "gzip"}), expect=expect)
     _check("/embeddings", _send(http, "POST", "/embeddings", body, {**json_type, "content-encoding": "br"}), expect=415)

@@ -461,19 +461,29 @@ def _content_encoding(request: web.Request) -> str | None:
     return encoding
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
     """`raw` decoded, refused once it decodes past `limit` bytes (a small body may inflate
-    to gigabytes) or when it does not decode as `encoding`."""
-    decoder = zlib.decompressobj(32 + zlib.MAX_WBITS)
-    try:
-        body = decoder.decompress(raw, limit + 1)
-    except zlib.error as e:
-        raise errors.InvalidArgument(f"request body does not decode as {encoding}: {e}") from None
-    if len(body) > limit:
-        raise errors.InvalidArgument(f"request body is larger than {limit} bytes decoded")
-    if not decoder.eof:
-        raise errors.InvalidArgument(f"request body is cut short: its {encoding} stream does not end")
-    return body
+    to gigabytes) or when it does not decode as `encoding`: a gzip body may hold several
+    members (RFC 1952), each read; anything else after the stream is no part of it."""
+    body = b""
+    while True:
+        decoder = zlib.decompressobj(32 + zlib.MAX_WBITS)
+        try:
+            body += decoder.decompress(raw, limit + 1 - len(body))
+        except zlib.error as e:
+            raise errors.InvalidArgument(f"request body does not decode as {encoding}: {e}") from None
+        if len(body) > limit:
+            raise errors.InvalidArgument(f"request body is larger than {limit} bytes decoded")
+        if not decoder.eof:
+            raise errors.InvalidArgument(f"request body is cut short: its {encoding} stream does not end")
+        raw = decoder.unused_data
+        if not raw:
+            return body
+        if not raw.startswith(_GZIP_MAGIC) or encoding == "deflate":
+            raise errors.InvalidArgument(f"request body holds {len(raw)} bytes after its {encoding} stream")
 
 
 def _error_response(status: int, message: str) -> web.Response:
