@@ -363,6 +363,18 @@ def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread
         )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 400 ") and b"larger than" in head, head[:300]
+    # A body that stops part-way is waited for as long as the request's timeout, then 408.
+    for route, content_type, part in (
+        ("/v1/embeddings", "application/json", '{"model": "identity", '),
+        ("/v1/files", "multipart/form-data; boundary=bb", '--bb\r\nContent-Disposition: form-data; name="purpose"\r\n'),
+    ):
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+            sock.sendall(
+                f"POST {route} HTTP/1.1\r\nhost: x\r\nauthorization: {AUTH['authorization']}\r\ntimeout: 1\r\n"
+                f"content-type: {content_type}\r\ncontent-length: 1000\r\n\r\n{part}".encode()
+            )
+            head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 408 ") and b"did not arrive" in head, (route, head[:300])
     _still_serving(http)
 
 

@@ -25,7 +25,7 @@ import ssl
 import uuid
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from http import HTTPStatus
 
@@ -58,6 +58,7 @@ MAX_PAGE_SIZE = 100
 # How long a stop waits for requests in flight (the gRPC server's default grace too).
 SHUTDOWN_GRACE_S = 5.0
 
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CALL = web.RequestKey("call", Call)  # each request's call, as the edge takes it
 # The `rpc` label of each route's calls.
@@ -240,9 +241,19 @@ class OpenAIServer:
         limit = self._config.max_body_bytes
         encoding = _content_encoding(request)
         # A declared length over the limit is refused before any of the body is read.
-        if (request.content_length or 0) > limit or len(raw := await request.read()) > limit:
+        if (request.content_length or 0) > limit or len(raw := await self._read_body(request, request.read())) > limit:
             raise errors.InvalidArgument(f"request body is larger than {limit} bytes")
         return wire.loads(raw if encoding is None else _decompressed(raw, encoding, limit))
+
+    async def _read_body(self, request: web.Request, read: Awaitable[T]) -> T:
+        """`read`, a read of the request's body, within the request's timeout: a client
+        that stops sending part-way gets a 408 then, instead of holding its connection and
+        a handler for as long as it likes."""
+        try:
+            async with asyncio.timeout(request[_CALL].timeout_s):
+                return await read
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(reason="the request body did not arrive within the request's timeout") from None
 
     # -- generation --------------------------------------------------------------------------
 
@@ -356,6 +367,9 @@ class OpenAIServer:
         if (request.content_length or 0) > self._config.max_file_bytes + _MULTIPART_OVERHEAD:
             # Refused before the body is read: the reader would wait for all of it.
             raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
+        return await self._read_body(request, self._multipart_parts(request))
+
+    async def _multipart_parts(self, request: web.Request) -> tuple[str, str, bytes]:
         purpose: str | None = None
         filename = ""
         content: bytes | None = None
