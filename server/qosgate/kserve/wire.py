@@ -2,12 +2,14 @@
 
 The gateway never decodes tensors: it reads the few top-level fields it routes on
 (model name, request id, batch rows) straight from the serialized ModelInferRequest
-(and whether a ModelStreamInferResponse reports an error), and changes a request by
-APPENDING an encoded fragment. Protobuf parsers merge concatenated messages: a later
-scalar replaces an earlier one, a later map entry replaces the entry with the same key.
-So `original + fragment` is the original request with our `priority`, `vllm_priority`
-and `timeout` parameters overriding whatever the caller set, without copying or
-re-encoding the tensors (tests check this against the real protobuf runtime).
+(and whether a ModelStreamInferResponse reports an error; of an LLM's response under
+`kserve_token_counts`, the engine's token counts, whose outputs it may also take out:
+`response_counts`), and changes a request by APPENDING an encoded fragment. Protobuf
+parsers merge concatenated messages: a later scalar replaces an earlier one, a later map
+entry replaces the entry with the same key. So `original + fragment` is the original
+request with our `priority`, `vllm_priority` and `timeout` parameters overriding whatever
+the caller set, without copying or re-encoding the tensors (tests check this against the
+real protobuf runtime).
 
 A request is also checked the way Triton's parser will check it (well-formed fields at
 every level, UTF-8 in every string, whole elements in packed fields) before it is
