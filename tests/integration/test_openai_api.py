@@ -206,10 +206,12 @@ def test_a_request_has_the_time_its_timeout_header_gives_it(gateway: GatewayThre
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with pytest.raises(openai.BadRequestError, match="timeout"):
         client(gateway).chat.completions.create(**chat, extra_headers={"timeout": "soon"})  # type: ignore[call-overload]
-    # A microsecond passes before the request can be dispatched: 504, as a gRPC deadline.
-    with pytest.raises(openai.InternalServerError) as passed:
+    # A microsecond passes before the request can be dispatched: 504, as a gRPC deadline;
+    # or, where the body came in a later segment than the head, before the body arrived:
+    # 408 (which of the two is up to the client's TCP stack).
+    with pytest.raises(openai.APIStatusError) as passed:
         client(gateway, max_retries=0).chat.completions.create(**chat, extra_headers={"timeout": "0.000001"})  # type: ignore[call-overload]
-    assert passed.value.status_code == 504
+    assert passed.value.status_code in (408, 504), passed.value
     assert client(gateway).chat.completions.create(**chat, extra_headers={"x-stainless-timeout": "60"}).choices  # type: ignore[call-overload]
     # Longer than Triton's timeout parameter holds: taken as gRPC's longest. (Sent without
     # the SDK, which adds its own x-stainless-timeout.)
