@@ -378,6 +378,49 @@ def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread
     _still_serving(http)
 
 
+def test_a_client_waiting_for_100_continue_is_refused_before_it_sends_its_body(gateway: GatewayThread, http: httpx.Client) -> None:
+    """`Expect: 100-continue` (curl's large uploads, .NET's and Java's HTTP clients): the
+    client is told to send its body only once the caller is identified; without a valid
+    key, or with a bad timeout header, it gets the OpenAI error instead, having sent none
+    of its body."""
+    port = urllib.parse.urlsplit(gateway.openai_url).port
+    body = json.dumps(SEEDS["/embeddings"]).encode()
+
+    def ask(route: str, headers: dict[str, str], expect: str = "100-continue") -> tuple[socket.socket, bytes]:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        sock.sendall(
+            f"POST {route} HTTP/1.1\r\nhost: x\r\n{lines}content-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nexpect: {expect}\r\n\r\n".encode()
+        )
+        return sock, sock.recv(65536)
+
+    for route in ("/v1/embeddings", "/v1/files", "/v1/batches"):
+        for headers, status in (
+            ({}, 401),
+            ({"authorization": "Bearer not-a-key"}, 401),
+            ({**AUTH, "timeout": "soon"}, 400),
+        ):
+            sock, head = ask(route, headers)
+            with sock:
+                assert head.startswith(f"HTTP/1.1 {status} ".encode()), (route, headers, head[:300])
+                assert json.loads(head.partition(b"\r\n\r\n")[2])["error"]["message"], head
+    sock, head = ask("/v1/embeddings", AUTH, expect="something-else")
+    with sock:
+        assert head.startswith(b"HTTP/1.1 417 ") and b"100-continue" in head, head[:300]
+    # With a valid key: 100 Continue, and the body sent then is answered as without Expect.
+    plain = _send(http, "POST", "/embeddings", body, {**AUTH, "content-type": "application/json"})
+    sock, head = ask("/v1/embeddings", AUTH)
+    with sock:
+        assert head == b"HTTP/1.1 100 Continue\r\n\r\n", head[:300]
+        sock.sendall(body)
+        answer = sock.recv(65536)
+        while len(answer.partition(b"\r\n\r\n")[2]) < len(plain.content):
+            answer += sock.recv(65536)
+    assert answer.startswith(f"HTTP/1.1 {plain.status_code} ".encode()), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2]) == plain.json()
+
+
 def test_fuzz_summary(capsys: pytest.CaptureFixture[str]) -> None:
     """The statuses seen, for the record; the cases ran in the tests above."""
     with capsys.disabled():

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from http import HTTPStatus
 
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
@@ -107,20 +107,24 @@ class OpenAIServer:
             middlewares=[self._errors],
             client_max_size=max(self._config.max_body_bytes, self._config.max_file_bytes) + _MULTIPART_OVERHEAD,
         )
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
-        app.router.add_post("/v1/files", self.upload_file)
-        app.router.add_get("/v1/files", self.list_files)
-        app.router.add_get("/v1/files/{file_id}", self.file)
-        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
-        app.router.add_get("/v1/files/{file_id}/content", self.file_content)
-        app.router.add_post("/v1/batches", self.create_batch)
-        app.router.add_get("/v1/batches", self.list_batches)
-        app.router.add_get("/v1/batches/{batch_id}", self.batch)
-        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+        routes: list[tuple[str, str, Handler]] = [
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/embeddings", self.embeddings),
+            ("GET", "/v1/models", self.models),
+            ("GET", "/v1/models/{model}", self.model),
+            ("POST", "/v1/files", self.upload_file),
+            ("GET", "/v1/files", self.list_files),
+            ("GET", "/v1/files/{file_id}", self.file),
+            ("DELETE", "/v1/files/{file_id}", self.delete_file),
+            ("GET", "/v1/files/{file_id}/content", self.file_content),
+            ("POST", "/v1/batches", self.create_batch),
+            ("GET", "/v1/batches", self.list_batches),
+            ("GET", "/v1/batches/{batch_id}", self.batch),
+            ("POST", "/v1/batches/{batch_id}/cancel", self.cancel_batch),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler, expect_handler=self._expect)
         return app
 
     async def start(self) -> None:
@@ -165,27 +169,55 @@ class OpenAIServer:
         caller without a valid key learns nothing but 401), and every failure answered
         with an OpenAI error object by the one error table."""
         try:
-            call = request[_CALL] = self._call(request)
-            self._edge.identify(call)
-            call.timeout_s = self._timeout(request)
+            if _CALL not in request:  # else admitted by `_expect`
+                self._admit(request)
             return await handler(request)
         except ConnectionResetError:
             raise  # the client went away mid-response: aiohttp drops it quietly
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            # aiohttp's own refusals (no such route, wrong method, body too large).
+            return self._refusal(request, e)
+        except Exception as e:
+            return self._refusal(request, e)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """A request sent with `Expect: 100-continue`: the client is told to send its body
+        only once the caller is identified, so one without a valid key (or with a bad
+        timeout header) gets its error before sending any of it."""
+        try:
+            self._admit(request)
+        except Exception as e:
+            return self._refusal(request, e)
+        expect = request.headers.get("expect", "")
+        if request.version != HttpVersion11:
+            return None  # (HTTP/1.0 has no interim responses)
+        if expect.lower() != "100-continue":
+            return _error_response(417, f"Expect: {expect!r} is not supported (only 100-continue)")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+        return None
+
+    def _admit(self, request: web.Request) -> None:
+        """The edge's part of every request, before its body: who calls, and its time."""
+        call = request[_CALL] = self._call(request)
+        self._edge.identify(call)
+        call.timeout_s = self._timeout(request)
+
+    def _refusal(self, request: web.Request, e: Exception) -> web.Response:
+        """`e` as an OpenAI error object: domain errors by the table, aiohttp's own refusals
+        (no such route, wrong method, body too large) by their status, anything else 500."""
+        if isinstance(e, web.HTTPException):
             return _error_response(e.status, e.reason)
-        except RequestPayloadError as e:
+        if isinstance(e, RequestPayloadError):
             # A body that cannot be read as its headers frame it (chunks broken part-way).
             cause = e.__cause__
             reason = cause.message if isinstance(cause, BadHttpMessage) else str(e)
             return _error_response(400, f"request body could not be read: {reason}")
-        except Exception as e:  # domain errors by the table; anything else INTERNAL
-            decoded = request.get(_CALL)
-            tenant = decoded.tenant if decoded is not None and isinstance(e, errors.QuotaExceeded) else None
-            response = http_error(e, tenant)
-            return web.json_response(response.body, status=response.status, headers=response.headers)
+        decoded = request.get(_CALL)
+        tenant = decoded.tenant if decoded is not None and isinstance(e, errors.QuotaExceeded) else None
+        response = http_error(e, tenant)
+        return web.json_response(response.body, status=response.status, headers=response.headers)
 
     def _call(self, request: web.Request) -> Call:
         """The request as the edge takes it: its headers (the key, a routing session id,
