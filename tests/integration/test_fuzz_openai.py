@@ -381,17 +381,18 @@ def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread
 def test_a_client_waiting_for_100_continue_is_refused_before_it_sends_its_body(gateway: GatewayThread, http: httpx.Client) -> None:
     """`Expect: 100-continue` (curl's large uploads, .NET's and Java's HTTP clients): the
     client is told to send its body only once the caller is identified; without a valid
-    key, or with a bad timeout header, it gets the OpenAI error instead, having sent none
-    of its body."""
+    key, with a bad timeout header or declaring a body over the route's limit, it gets the
+    OpenAI error instead, having sent none of its body."""
     port = urllib.parse.urlsplit(gateway.openai_url).port
     body = json.dumps(SEEDS["/embeddings"]).encode()
 
-    def ask(route: str, headers: dict[str, str], expect: str = "100-continue") -> tuple[socket.socket, bytes]:
+    def ask(route: str, headers: dict[str, str], expect: str = "100-continue",
+            length: int = len(body)) -> tuple[socket.socket, bytes]:
         sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
         lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         sock.sendall(
             f"POST {route} HTTP/1.1\r\nhost: x\r\n{lines}content-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nexpect: {expect}\r\n\r\n".encode()
+            f"content-length: {length}\r\nexpect: {expect}\r\n\r\n".encode()
         )
         return sock, sock.recv(65536)
 
@@ -405,6 +406,10 @@ def test_a_client_waiting_for_100_continue_is_refused_before_it_sends_its_body(g
             with sock:
                 assert head.startswith(f"HTTP/1.1 {status} ".encode()), (route, headers, head[:300])
                 assert json.loads(head.partition(b"\r\n\r\n")[2])["error"]["message"], head
+    for route, limit in (("/v1/embeddings", 256 * 1024), ("/v1/files", 64 * 1024 * 2)):
+        sock, head = ask(route, AUTH, length=limit + 1)
+        with sock:
+            assert head.startswith(b"HTTP/1.1 400 ") and b"larger than" in head, (route, head[:300])
     sock, head = ask("/v1/embeddings", AUTH, expect="something-else")
     with sock:
         assert head.startswith(b"HTTP/1.1 417 ") and b"100-continue" in head, head[:300]

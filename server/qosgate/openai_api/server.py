@@ -183,8 +183,8 @@ class OpenAIServer:
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request sent with `Expect: 100-continue`: the client is told to send its body
-        only once the caller is identified, so one without a valid key (or with a bad
-        timeout header) gets its error before sending any of it."""
+        only once `_admit` has taken it: one without a valid key, with a bad timeout header
+        or declaring too large a body gets its error before sending any of the body."""
         try:
             self._admit(request)
         except Exception as e:
@@ -199,10 +199,19 @@ class OpenAIServer:
         return None
 
     def _admit(self, request: web.Request) -> None:
-        """The edge's part of every request, before its body: who calls, and its time."""
+        """The edge's part of every request, before its body: who calls, its time, and a
+        body declared longer than the route takes refused (its reader would wait for all
+        of it; a client waiting for 100-continue would send it)."""
         call = request[_CALL] = self._call(request)
         self._edge.identify(call)
         call.timeout_s = self._timeout(request)
+        declared = request.content_length or 0
+        resource = request.match_info.route.resource
+        if resource is not None and resource.canonical == "/v1/files":
+            if declared > self._config.max_file_bytes + _MULTIPART_OVERHEAD:  # the file, and the parts around it
+                raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
+        elif declared > self._config.max_body_bytes:
+            raise errors.InvalidArgument(f"request body is larger than {self._config.max_body_bytes} bytes")
 
     def _refusal(self, request: web.Request, e: Exception) -> web.Response:
         """`e` as an OpenAI error object: domain errors by the table, aiohttp's own refusals
@@ -272,8 +281,7 @@ class OpenAIServer:
     async def _json(self, request: web.Request) -> Any:
         limit = self._config.max_body_bytes
         encoding = _content_encoding(request)
-        # A declared length over the limit is refused before any of the body is read.
-        if (request.content_length or 0) > limit or len(raw := await self._read_body(request, request.read())) > limit:
+        if len(raw := await self._read_body(request, request.read())) > limit:  # (one declared so: `_admit`)
             raise errors.InvalidArgument(f"request body is larger than {limit} bytes")
         return wire.loads(raw if encoding is None else _decompressed(raw, encoding, limit))
 
@@ -396,9 +404,6 @@ class OpenAIServer:
             raise errors.InvalidArgument("upload the file as multipart/form-data (fields 'file' and 'purpose')")
         if _content_encoding(request) is not None:
             raise web.HTTPUnsupportedMediaType(reason="send the upload without a Content-Encoding")
-        if (request.content_length or 0) > self._config.max_file_bytes + _MULTIPART_OVERHEAD:
-            # Refused before the body is read: the reader would wait for all of it.
-            raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
         return await self._read_body(request, self._multipart_parts(request))
 
     async def _multipart_parts(self, request: web.Request) -> tuple[str, str, bytes]:
