@@ -14,7 +14,7 @@ from qosgate.config import GatewayConfig, parse_config
 from qosgate.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
 from qosgate.scheduler import Scheduler, SchedulingCore, Waiter, WaiterState
 from qosgate.scheduler.classes import class_window, initial_window
-from qosgate.scheduler.core import DURATIONS_REREAD, MAX_UNCONFIGURED_MODELS
+from qosgate.scheduler.core import MAX_UNCONFIGURED_MODELS
 from qosgate.scheduler.window import FairCaps
 
 from tests.fakes import FakeClock, make_tenant
@@ -188,40 +188,6 @@ def test_deadline_passed_in_queue_is_dropped_not_dispatched() -> None:
     assert soon.state is WaiterState.DROPPED
     assert isinstance(soon.error, DeadlineExceeded)
     assert later.state is WaiterState.DISPATCHED and later.error is None
-
-
-def test_a_request_with_less_time_left_than_most_take_is_dropped_only_while_others_wait() -> None:
-    h = Harness(config())
-    # The model's requests take 2 s from dispatch to end (one at a time: the window is 1).
-    for _ in range(2 * DURATIONS_REREAD):
-        h.submit("t", "standard")
-    for _ in range(2 * DURATIONS_REREAD):
-        h.clock.advance(2.0)
-        h.release()
-    hopeless = h.submit("t", "standard", deadline=h.clock.now() + 1.5)
-    hopeful = h.submit("t", "standard", deadline=h.clock.now() + 10.0)
-    h.clock.advance(0.1)
-    assert h.release() == [hopeless, hopeful]
-    assert hopeless.state is WaiterState.DROPPED and isinstance(hopeless.error, DeadlineExceeded)
-    assert "nine in ten" in str(hopeless.error)
-    assert hopeful.state is WaiterState.DISPATCHED
-    # With no one else waiting it is sent: the slot would go unused otherwise.
-    alone = h.submit("t", "standard", deadline=h.clock.now() + 1.0)
-    (sent,) = h.release()
-    assert sent is alone and alone.state is WaiterState.DISPATCHED
-
-
-def test_requests_that_end_at_their_deadline_do_not_count_as_what_requests_take() -> None:
-    h = Harness(config(), fill_window=False)
-    h.submit("t", "standard", deadline=h.clock.now() + 100.0)
-    # Each request is cut off at its deadline, 50 s or more after its dispatch: none finished.
-    for _ in range(2 * DURATIONS_REREAD):
-        h.submit("t", "standard", deadline=h.clock.now() + 150.0)
-        h.clock.advance(h.in_flight[0].deadline - h.clock.now())  # type: ignore[operator]
-        h.release()
-    late = h.submit("t", "standard", deadline=h.clock.now() + 0.5)
-    h.submit("t", "standard")
-    assert h.release()[0] is late and late.state is WaiterState.DISPATCHED
 
 
 def test_arrival_with_passed_deadline_is_refused_when_it_would_queue() -> None:

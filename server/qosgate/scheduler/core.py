@@ -27,11 +27,7 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
   floor overrides this too.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
-- A request whose deadline has passed is dropped instead of dispatched; so is one, while
-  others of its model wait, with less time left than nine in ten of the model's recent
-  requests took from dispatch to their end (those that ended before their deadline):
-  under overload, sending it would spend the engine on an answer that most likely comes
-  too late, where the next request in line has the time to use it.
+- A request whose deadline has passed is dropped instead of dispatched.
 - A tenant's in-flight tokens (`max_inflight_tokens`) are capped: its requests wait
   queued while dispatching the next would exceed the cap; other tenants pass them.
 
@@ -67,11 +63,6 @@ if TYPE_CHECKING:
 _CREDIT_EPSILON = 1e-9
 _NO_CAP = 1 << 30  # a short int for compiled code, far above any window
 _NOTHING: tuple[Waiter, ...] = ()
-# A model's recent requests' times from dispatch to end: how many are kept, how many before
-# the time most take is known, and how often (in ends) it is read from them again.
-DURATIONS_KEPT = 64
-DURATIONS_NEEDED = 20
-DURATIONS_REREAD = 16
 
 
 class WaiterState(enum.Enum):
@@ -290,22 +281,6 @@ class _ModelQueues:
     exclusive: tuple[int, ...] = ()
     in_flight: int = 0
     queued: int = 0
-    # Recent requests' times from dispatch to end (of those that ended before their
-    # deadline), and what nine in ten of them took at least: a queued request with less
-    # time left is not sent while others wait.
-    durations: deque[float] = field(default_factory=deque)
-    ended: int = 0
-    most_take_s: float = 0.0
-
-    def took(self, seconds: float) -> None:
-        """A request ended before its deadline, `seconds` after its dispatch."""
-        durations = self.durations
-        if len(durations) == DURATIONS_KEPT:
-            durations.popleft()
-        durations.append(seconds)
-        self.ended += 1
-        if self.ended % DURATIONS_REREAD == 0 and len(durations) >= DURATIONS_NEEDED:
-            self.most_take_s = sorted(durations)[len(durations) // 10]
 
     def held(self, level: int) -> bool:
         """Whether an exclusive class above `level` has a request in flight."""
@@ -645,8 +620,6 @@ class SchedulingCore:
         tenant.ended_cost += waiter.cost
         key = (waiter.model, waiter.tenant)
         self._served[key] = self._served.get(key, 0.0) + waiter.cost
-        if waiter.deadline is None or now < waiter.deadline:
-            model.took(now - waiter.dispatched_at)
         decided: list[Waiter] = []
         if waiter.tokens:
             self._tenant_tokens[waiter.tenant] -= waiter.tokens
@@ -689,16 +662,9 @@ class SchedulingCore:
             waiter = model.pop_next(self._fits)
             if waiter is None:
                 break
-            deadline = waiter.deadline
-            if deadline is not None and deadline <= now:
+            if waiter.deadline is not None and waiter.deadline <= now:
                 waiter.state = WaiterState.DROPPED
                 waiter.error = DeadlineExceeded("deadline exceeded while queued in the gateway")
-            elif deadline is not None and model.queued and deadline - now < model.most_take_s:
-                waiter.state = WaiterState.DROPPED
-                waiter.error = DeadlineExceeded(
-                    f"{deadline - now:.3g} s of the deadline left, and nine in ten of the model's recent requests"
-                    f" took {model.most_take_s:.3g} s or more: dropped from the gateway's queue for the next in line"
-                )
             else:
                 self._dispatch(model, waiter, now)
             decided.append(waiter)
