@@ -9,11 +9,11 @@ own counts are asked for and read from its responses), admitted by the edge
 (`qosgate.edge`), routed by its own model's routing policy (prefix affinity on the model's
 session header included) and sent to Triton as a ModelStreamInfer of its own,
 half-closed, on the upstream's persistent connections (connections.ClientStream), with
-Triton's priority and timeout appended. Triton's responses, which carry the request's own id, go back onto the
-caller's stream as they come, and that upstream stream's end is the request's end. So the
-requests of one stream for different models go where each model's policy says, and a
-request whose Triton fails before its first response fails over like any call
-(`Route.failover`).
+Triton's priority and timeout appended. Triton's responses, which carry the request's own
+id, go back onto the caller's stream as they come, and that upstream stream's end is the
+request's end. So the requests of one stream for different models go where each model's
+policy says, and a request whose Triton fails before its first response fails over like
+any call (`Route.failover`).
 
 A refusal of one request is reported in the stream, as Triton reports a failed request (a
 response with `error_message` = `"<CODE>: <reason>"` and the request's id), and the
