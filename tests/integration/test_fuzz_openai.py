@@ -378,7 +378,9 @@ def test_bodies_are_refused_by_what_their_headers_declare(gateway: GatewayThread
     _still_serving(http)
 
 
-def test_a_client_waiting_for_100_continue_is_refused_before_it_sends_its_body(gateway: GatewayThread, http: httpx.Client) -> None:
+def test_a_client_waiting_for_100_continue_is_refused_before_it_sends_its_body(
+    gateway: GatewayThread, http: httpx.Client
+) -> None:
     """`Expect: 100-continue` (curl's large uploads, .NET's and Java's HTTP clients): the
     client is told to send its body only once the caller is identified; without a valid
     key, with a bad timeout header or declaring a body over the route's limit, it gets the

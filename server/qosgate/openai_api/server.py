@@ -189,9 +189,9 @@ class OpenAIServer:
             self._admit(request)
         except Exception as e:
             return self._refusal(request, e)
-        expect = request.headers.get("expect", "")
         if request.version != HttpVersion11:
             return None  # (HTTP/1.0 has no interim responses)
+        expect = request.headers.get("expect", "")
         if expect.lower() != "100-continue":
             return _error_response(417, f"Expect: {expect!r} is not supported (only 100-continue)")
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -208,7 +208,8 @@ class OpenAIServer:
         declared = request.content_length or 0
         resource = request.match_info.route.resource
         if resource is not None and resource.canonical == "/v1/files":
-            if declared > self._config.max_file_bytes + _MULTIPART_OVERHEAD:  # the file, and the parts around it
+            # An upload: the file, and the multipart framing around it.
+            if declared > self._config.max_file_bytes + _MULTIPART_OVERHEAD:
                 raise errors.InvalidArgument(f"file is larger than {self._config.max_file_bytes} bytes")
         elif declared > self._config.max_body_bytes:
             raise errors.InvalidArgument(f"request body is larger than {self._config.max_body_bytes} bytes")
@@ -281,7 +282,8 @@ class OpenAIServer:
     async def _json(self, request: web.Request) -> Any:
         limit = self._config.max_body_bytes
         encoding = _content_encoding(request)
-        if len(raw := await self._read_body(request, request.read())) > limit:  # (one declared so: `_admit`)
+        # (A body declared over the limit was refused by `_admit`, before any of it was read.)
+        if len(raw := await self._read_body(request, request.read())) > limit:
             raise errors.InvalidArgument(f"request body is larger than {limit} bytes")
         return wire.loads(raw if encoding is None else _decompressed(raw, encoding, limit))
 
