@@ -190,6 +190,27 @@ def test_deadline_passed_in_queue_is_dropped_not_dispatched() -> None:
     assert later.state is WaiterState.DISPATCHED and later.error is None
 
 
+def test_a_standing_queue_dispatches_its_newest_request_first() -> None:
+    """Once a tenant's oldest request has waited over half its time to its deadline, the
+    newest goes first: it has the time left to finish in, the old ones would die mid-work."""
+    h = Harness(config())
+    old = [h.submit("t", "standard", deadline=h.clock.now() + 10.0) for _ in range(3)]
+    h.clock.advance(4.0)
+    young = h.submit("t", "standard", deadline=h.clock.now() + 10.0)
+    assert h.next_dispatched() is old[0]  # waited 4 of its 10 s: still first come, first served
+    h.clock.advance(2.0)  # the oldest now waited 6 of 10 s
+    fresh = h.submit("t", "standard", deadline=h.clock.now() + 10.0)
+    assert [h.next_dispatched() for _ in range(4)] == [fresh, young, old[2], old[1]]
+
+
+def test_a_queue_without_deadlines_stays_first_come_first_served() -> None:
+    h = Harness(config())
+    waiters = [h.submit("t", "standard") for _ in range(3)]
+    h.clock.advance(3600.0)
+    waiters.append(h.submit("t", "standard", deadline=h.clock.now() + 1.0))
+    assert [h.next_dispatched() for _ in range(4)] == waiters
+
+
 def test_arrival_with_passed_deadline_is_refused_when_it_would_queue() -> None:
     h = Harness(config())
     with pytest.raises(DeadlineExceeded):

@@ -28,6 +28,11 @@ Per model: one queue per class, and inside each class one FIFO per tenant.
 - Bounded queues per class; under overload (too many queued for a model) the newest
   request of the busiest tenant in the lowest sheddable class below the arrival is shed.
 - A request whose deadline has passed is dropped instead of dispatched.
+- A tenant's queue is FIFO until it stands: once its oldest request has waited more than
+  STANDING of its time to its deadline, the tenant's next dispatch takes its newest
+  request instead (adaptive LIFO). Under an overload that lasts, a FIFO hands the engine
+  only requests about to expire, which die mid-work; the newest has its whole deadline
+  left to finish in, and the old ones expire in the queue, where they cost nothing.
 - A tenant's in-flight tokens (`max_inflight_tokens`) are capped: its requests wait
   queued while dispatching the next would exceed the cap; other tenants pass them.
 
@@ -63,6 +68,9 @@ if TYPE_CHECKING:
 _CREDIT_EPSILON = 1e-9
 _NO_CAP = 1 << 30  # a short int for compiled code, far above any window
 _NOTHING: tuple[Waiter, ...] = ()
+# A tenant's queue stands (its next dispatch takes its newest request) while its oldest
+# has waited more than this fraction of the time it had to its deadline.
+STANDING = 0.5
 
 
 class WaiterState(enum.Enum):
@@ -155,6 +163,23 @@ class _TenantQueue:
             waiters.pop()
         return waiters[-1]
 
+    def next(self, now: float) -> Waiter:
+        """The request its next dispatch takes: the oldest, or the newest while the queue
+        stands (see the module)."""
+        head = self.head()
+        deadline = head.deadline
+        # (One already expired goes first, to be dropped.)
+        if deadline is None or deadline <= now or now - head.arrived_at <= STANDING * (deadline - head.arrived_at):
+            return head
+        return self.newest()
+
+    def take(self, waiter: Waiter) -> None:
+        """Remove `waiter`, as `next` returned it (so at one end of the queue)."""
+        if self.waiters[0] is waiter:
+            self.waiters.popleft()
+        else:
+            self.waiters.pop()
+
 
 @dataclass(slots=True, eq=False)
 class _ClassQueue:
@@ -210,17 +235,17 @@ class _ClassQueue:
             del self.backlogged[queue.name]
             queue.waiters.clear()  # only marked (withdrawn) waiters can be left
 
-    def fairest(self, fits: Callable[[Waiter], bool]) -> _TenantQueue | None:
-        """The backlogged tenant with the smallest tag whose head request `fits`."""
+    def fairest(self, fits: Callable[[Waiter], bool], now: float) -> _TenantQueue | None:
+        """The backlogged tenant with the smallest tag whose next request `fits`."""
         best: _TenantQueue | None = None
         for queue in self.backlogged.values():
-            if (best is None or queue.start < best.start) and fits(queue.head()):
+            if (best is None or queue.start < best.start) and fits(queue.next(now)):
                 best = queue
         return best
 
-    def pop_from(self, chosen: _TenantQueue) -> Waiter:
-        waiter = chosen.head()
-        chosen.waiters.popleft()
+    def pop_from(self, chosen: _TenantQueue, now: float) -> Waiter:
+        waiter = chosen.next(now)
+        chosen.take(waiter)
         self.vtime = chosen.start
         chosen.finish = chosen.start + waiter.cost / chosen.weight
         chosen.start = chosen.finish
@@ -325,7 +350,7 @@ class _ModelQueues:
         klass = self.classes[level]
         return klass.live > 0 and klass.limit >= klass.window and self._taken(level) + klass.live > klass.window
 
-    def pop_next(self, fits: Callable[[Waiter], bool]) -> Waiter | None:
+    def pop_next(self, fits: Callable[[Waiter], bool], now: float) -> Waiter | None:
         """Strict priority among the classes whose share of the window has room, overridden
         by a lower class whose floor credit has come due; None if no class may dispatch.
         Only requests that `fits` (their tenant's in-flight tokens) are considered."""
@@ -342,7 +367,7 @@ class _ModelQueues:
             wants_top = top is None and self.may_dispatch(level)
             if not (is_due or wants_top):
                 continue
-            tenant = queue.fairest(fits)
+            tenant = queue.fairest(fits, now)
             if tenant is None:
                 continue
             if wants_top:
@@ -359,7 +384,7 @@ class _ModelQueues:
         klass, tenant = chosen
         klass.credit = max(0.0, klass.credit - 1.0)
         self.queued -= 1
-        return klass.pop_from(tenant)
+        return klass.pop_from(tenant, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -659,7 +684,7 @@ class SchedulingCore:
 
     def _fill(self, model: _ModelQueues, now: float, decided: list[Waiter]) -> None:
         while model.queued:
-            waiter = model.pop_next(self._fits)
+            waiter = model.pop_next(self._fits, now)
             if waiter is None:
                 break
             if waiter.deadline is not None and waiter.deadline <= now:
