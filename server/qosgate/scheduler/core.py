@@ -1,6 +1,7 @@
 """The scheduling core: pure, synchronous, driven by the caller's `now`.
 
-Per model: one queue per class, and inside each class one FIFO per tenant.
+Per model: one queue per class, and inside each class one queue per tenant (first come,
+first served until it stands; see below).
 - Between classes: strict priority, except that every lower class earns a credit of its
   floor share on each dispatch while it has work; a class whose credit reaches 1 is served
   next. A class with floor f thus gets at least a fraction f of dispatches while it waits.
