@@ -264,6 +264,17 @@ def test_shedding_hits_the_busiest_tenant() -> None:
     assert shed is hog[-1] and polite.state is WaiterState.QUEUED
 
 
+def test_a_standing_queue_sheds_its_oldest_request() -> None:
+    """The request shed is the one its tenant would dispatch last: while the queue stands,
+    its oldest, not the newest that would be served next."""
+    h = Harness(config(max_queued=3))
+    old = h.submit("hog", "batch", deadline=h.clock.now() + 10.0)
+    h.clock.advance(6.0)
+    newer = [h.submit("hog", "batch", deadline=h.clock.now() + 10.0) for _ in range(2)]
+    (shed,) = h.core.submit(Waiter("x", 1.0, "critical", MODEL, None, h.clock.now()), h.clock.now())
+    assert shed is old and all(w.state is WaiterState.QUEUED for w in newer)
+
+
 def test_bounded_queue_per_class() -> None:
     h = Harness(config(max_queue_length=100, max_queue_length_by_class={"batch": 2}))
     h.submit("t", "batch")

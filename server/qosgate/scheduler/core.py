@@ -26,8 +26,9 @@ first served until it stands; see below).
   they have a request in flight: on an engine that runs one batch at a time, lower-class
   work sent meanwhile would join that request's batch or start one before it. A due
   floor overrides this too.
-- Bounded queues per class; under overload (too many queued for a model) the newest
-  request of the busiest tenant in the lowest sheddable class below the arrival is shed.
+- Bounded queues per class; under overload (too many queued for a model) the busiest
+  tenant in the lowest sheddable class below the arrival sheds the request it would
+  dispatch last (its newest, or while its queue stands its oldest).
 - A request whose deadline has passed is dropped instead of dispatched.
 - A tenant's queue is FIFO until it stands: once its oldest request has waited more than
   STANDING of its time to its deadline, the tenant's next dispatch takes its newest
@@ -164,18 +165,25 @@ class _TenantQueue:
             waiters.pop()
         return waiters[-1]
 
+    def stands(self, now: float) -> bool:
+        """Whether its oldest request has waited past STANDING of its time to its deadline
+        (one already expired does not count: it goes first, to be dropped)."""
+        head = self.head()
+        deadline = head.deadline
+        return deadline is not None and now < deadline and now - head.arrived_at > STANDING * (deadline - head.arrived_at)
+
     def next(self, now: float) -> Waiter:
         """The request its next dispatch takes: the oldest, or the newest while the queue
         stands (see the module)."""
-        head = self.head()
-        deadline = head.deadline
-        # (One already expired goes first, to be dropped.)
-        if deadline is None or deadline <= now or now - head.arrived_at <= STANDING * (deadline - head.arrived_at):
-            return head
-        return self.newest()
+        return self.newest() if self.stands(now) else self.head()
+
+    def last(self, now: float) -> Waiter:
+        """The request it would dispatch last, the one to shed: the newest, or the oldest
+        while the queue stands."""
+        return self.head() if self.stands(now) else self.newest()
 
     def take(self, waiter: Waiter) -> None:
-        """Remove `waiter`, as `next` returned it (so at one end of the queue)."""
+        """Remove `waiter`, one of its ends (as `next` or `last` returned it)."""
         if self.waiters[0] is waiter:
             self.waiters.popleft()
         else:
@@ -281,11 +289,12 @@ class _ClassQueue:
         if queue.live:
             queue.start += shift
 
-    def pop_victim(self) -> Waiter:
-        """The newest request of the tenant with the most queued (ties: the most served)."""
+    def pop_victim(self, now: float) -> Waiter:
+        """The request the tenant with the most queued (ties: the most served) would
+        dispatch last."""
         victim = max(self.backlogged.values(), key=_shedding_order)
-        waiter = victim.newest()
-        victim.waiters.pop()
+        waiter = victim.last(now)
+        victim.take(waiter)
         self._taken(victim)
         return waiter
 
@@ -595,7 +604,7 @@ class SchedulingCore:
             )
             if victim_class is None:
                 raise Unavailable(f"model {waiter.model!r} is overloaded", retry)
-            victim = victim_class.pop_victim()
+            victim = victim_class.pop_victim(now)
             model.queued -= 1
             victim.state = WaiterState.DROPPED
             victim.error = Unavailable(
